@@ -1,0 +1,260 @@
+"""Peer engines and the result table of the throughput benchmark.
+
+Every runner takes the same workload (token-id prompts, greedy decoding, `max_new_tokens` each), does a short
+untimed warm-up, then times the whole workload with `time.perf_counter()` and returns a `BenchResult`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+EosTokenId = int | Sequence[int] | None
+
+# transformers 5.23 deprecates "paged|sdpa" (it still works but warns and strips the prefix): continuous
+# batching accepts plain "sdpa" (or "paged|eager", or a flash implementation), so that is the spelling used.
+CB_ATTN_IMPLEMENTATION = "sdpa"
+
+_WARMUP_PROMPTS = 2
+_WARMUP_NEW_TOKENS = 4
+
+
+@dataclass
+class BenchResult:
+    """The outcome of running one workload through one engine.
+
+    Attributes:
+        engine: the engine's display name.
+        wall_s: seconds of wall-clock time for the whole workload (warm-up excluded); > 0.
+        generated_tokens: tokens generated, summed over requests, each request's first EOS included.
+        prompt_tokens: prompt tokens, summed over requests.
+    """
+
+    engine: str
+    wall_s: float
+    generated_tokens: int
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.wall_s <= 0:
+            raise ValueError(f"wall_s must be > 0, got {self.wall_s}")
+        if self.generated_tokens < 0 or self.prompt_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+
+    @property
+    def generated_tok_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.generated_tokens / self.wall_s
+
+    @property
+    def processed_tok_s(self) -> float:
+        """Prompt plus generated tokens per second of wall time."""
+        return (self.prompt_tokens + self.generated_tokens) / self.wall_s
+
+
+def _eos_set(eos_token_id: EosTokenId) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(token) for token in eos_token_id}
+
+
+def _first_eos(eos_token_id: EosTokenId) -> int | None:
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    return int(eos[0]) if eos else None
+
+
+def _greedy_config(max_new_tokens: int, eos_token_id: EosTokenId, pad_token_id: int | None) -> GenerationConfig:
+    eos = eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id)
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad_token_id)
+
+
+def run_transformers_generate_batch(
+    model_dir_or_model: str | Path | PreTrainedModel,
+    inputs: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: EosTokenId,
+) -> BenchResult:
+    """Run the workload through transformers' own continuous batching (`model.generate_batch`).
+
+    A path is loaded as a separate float32 model instance with attention implementation
+    `CB_ATTN_IMPLEMENTATION`; a model instance is used as is (generate_batch switches eager attention to
+    "paged|eager" itself). `generate_batch` runs in its default continuous-batching configuration; each call
+    builds (and frees) its own paged cache, whose set-up (~3 s on a CPU) is part of the timed call.
+
+    Raises:
+        RuntimeError: a request failed or is missing from generate_batch's results (it logs, not raises).
+    """
+    if isinstance(model_dir_or_model, str | Path):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir_or_model, dtype=torch.float32, attn_implementation=CB_ATTN_IMPLEMENTATION, local_files_only=True
+        )
+    else:
+        model = model_dir_or_model
+    model.eval()
+    pad = model.generation_config.pad_token_id
+    pad_token_id = pad if pad is not None else _first_eos(eos_token_id)
+    # No torch.inference_mode() here: generate_batch decodes in a worker thread, which does not inherit the
+    # caller's inference mode, and fails writing to the inference tensors the caller's thread allocated
+    # ("Inplace update to inference tensor outside InferenceMode"). generate_batch runs under no_grad itself.
+    _generate_batch_tokens(model, inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
+    start = time.perf_counter()
+    generated = _generate_batch_tokens(model, inputs, max_new_tokens, eos_token_id, pad_token_id)
+    wall = time.perf_counter() - start
+    return BenchResult(
+        engine="transformers generate_batch (continuous)",
+        wall_s=wall,
+        generated_tokens=generated,
+        prompt_tokens=sum(len(ids) for ids in inputs),
+    )
+
+
+def _generate_batch_tokens(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: EosTokenId,
+    pad_token_id: int | None,
+) -> int:
+    """Run `model.generate_batch` and return the number of generated tokens, checking every request finished."""
+    config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
+    outputs = model.generate_batch(inputs=inputs, generation_config=config)
+    failed = [rid for rid, out in outputs.items() if out.error is not None]
+    if failed or len(outputs) != len(inputs):
+        raise RuntimeError(
+            f"generate_batch returned {len(outputs)} results for {len(inputs)} requests; failed: {failed[:5]}"
+        )
+    return sum(len(out.generated_tokens) for out in outputs.values())
+
+
+def run_static_generate(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: EosTokenId,
+    pad_token_id: int,
+    batch_size: int = 32,
+) -> BenchResult:
+    """Run the workload through static-batch `model.generate`: left-padded batches of `batch_size` prompts
+    in input order, greedy.
+
+    Each row's generated tokens are counted up to and including its first EOS (the padding a finished row
+    receives while the rest of its batch decodes is not counted).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    model.eval()
+    config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
+    warmup_config = _greedy_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
+    eos = _eos_set(eos_token_id)
+    with torch.inference_mode():
+        _static_batch(model, inputs[:_WARMUP_PROMPTS], warmup_config, pad_token_id, eos)
+        start = time.perf_counter()
+        generated = sum(
+            _static_batch(model, inputs[i : i + batch_size], config, pad_token_id, eos)
+            for i in range(0, len(inputs), batch_size)
+        )
+        wall = time.perf_counter() - start
+    return BenchResult(
+        engine=f"transformers generate (static, batch {batch_size})",
+        wall_s=wall,
+        generated_tokens=generated,
+        prompt_tokens=sum(len(ids) for ids in inputs),
+    )
+
+
+def _static_batch(
+    model: PreTrainedModel, batch: list[list[int]], config: GenerationConfig, pad_token_id: int, eos: set[int]
+) -> int:
+    """Generate for one left-padded batch and return its generated-token count (see `count_until_eos`)."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    device = model.device
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+    )
+    return count_until_eos(out[:, width:].cpu(), eos)
+
+
+def count_until_eos(new_tokens: torch.Tensor, eos: set[int]) -> int:
+    """Count the tokens of each row of `new_tokens` [rows x steps] up to and including its first EOS
+    (the whole row when it has none), summed over rows."""
+    if new_tokens.numel() == 0:
+        return 0
+    steps = new_tokens.shape[1]
+    if not eos:
+        return new_tokens.shape[0] * steps
+    is_eos = torch.isin(new_tokens, torch.tensor(sorted(eos), dtype=new_tokens.dtype))
+    has_eos = is_eos.any(dim=1)
+    first = is_eos.to(torch.int8).argmax(dim=1)
+    per_row = torch.where(has_eos, first + 1, torch.full_like(first, steps))
+    return int(per_row.sum())
+
+
+def measure_gemm_gflops(seconds: float = 2.0) -> float:
+    """Measure this machine's float32 matmul rate in GFLOP/s, on the current torch thread settings.
+
+    Times repeated [512 x 576] @ [576 x 1536] products (the shape of a SmolLM2-135M MLP projection over a
+    512-token chunk) for about `seconds` after a short warm-up.
+    """
+    m, k, n = 512, 576, 1536
+    a = torch.randn(m, k, dtype=torch.float32)
+    b = torch.randn(k, n, dtype=torch.float32)
+    c = torch.empty(m, n, dtype=torch.float32)
+    with torch.inference_mode():
+        for _ in range(5):
+            torch.matmul(a, b, out=c)
+        iterations = 0
+        start = time.perf_counter()
+        elapsed = 0.0
+        while elapsed < seconds:
+            torch.matmul(a, b, out=c)
+            iterations += 1
+            elapsed = time.perf_counter() - start
+    return 2.0 * m * k * n * iterations / elapsed / 1e9
+
+
+def format_table(results: list[BenchResult], reference: str, gemm_gflops: float, num_params: int) -> str:
+    """Render the results as a markdown table plus a line relating the reference engine to the GEMM rate.
+
+    Columns: engine | wall s | generated tokens | generated tok/s | processed tok/s | ratio, where ratio is
+    the engine's generated tok/s divided by the `reference` engine's. The closing line gives the measured
+    float32 GEMM rate, the processed-token rate it allows at 2 * `num_params` FLOP per token, and the share of
+    that rate the reference engine's processed tok/s reaches.
+
+    Raises:
+        ValueError: no result is named `reference`.
+    """
+    ref = next((r for r in results if r.engine == reference), None)
+    if ref is None:
+        names = ", ".join(r.engine for r in results)
+        raise ValueError(f"reference engine {reference!r} is not among the results ({names})")
+    lines = [
+        "| engine | wall s | generated tokens | generated tok/s | processed tok/s | ratio to reference |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = r.generated_tok_s / ref.generated_tok_s if ref.generated_tok_s > 0 else float("nan")
+        lines.append(
+            f"| {r.engine} | {r.wall_s:.2f} | {r.generated_tokens} | {r.generated_tok_s:.1f} "
+            f"| {r.processed_tok_s:.1f} | {ratio:.2f}x |"
+        )
+    allowed = gemm_gflops * 1e9 / (2.0 * num_params)
+    share = ref.processed_tok_s / allowed if allowed > 0 else float("nan")
+    lines.append("")
+    lines.append(
+        f"Measured float32 GEMM rate: {gemm_gflops:.1f} GFLOP/s, which allows {allowed:.0f} processed tok/s "
+        f"at 2 x {num_params / 1e6:.1f}M FLOP per token; {reference} reaches {share:.1%} of it "
+        f"({ref.processed_tok_s:.1f} processed tok/s)."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""`ContinuousBatchingConfig`: how the engine sizes its cache and batches, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from transformers import CompileConfig
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+
+
+@dataclass(frozen=True)
+class ContinuousBatchingConfig:
+    """Every field of transformers' `ContinuousBatchingConfig`, with the same names and defaults.
+
+    Attributes:
+        block_size: tokens per KV-cache block.
+        num_blocks: blocks in the cache; None sizes it from `max_memory_percent` of the memory left after the
+            model (on CPU: of the available RAM).
+        max_batch_tokens: the token budget of one forward pass; None picks a default for the device.
+        max_memory_percent: share of the free memory the cache may take, in (0, 1].
+        max_blocks_per_request: caps the blocks one request may hold (0: no cap beyond the cache itself).
+        allow_block_sharing: allow requests to share KV blocks (prefix caching); it can only be allowed, never
+            forced.
+        use_async_batching, use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, max_cached_graphs,
+        varlen_compile_config, decode_compile_config, use_default_compile_configs: CUDA-only tuning knobs of
+            transformers' implementation. They are accepted and validated; the CPU engine does not use them.
+        scheduler_type: "fifo" (decodes first, then new prefills, in arrival order) or "prefill_first"
+            (waiting prompts are admitted before running decodes take the budget).
+        return_logprobs: record the log-probability of every generated token.
+        max_queue_size: bound on requests waiting to be admitted (0: unbounded).
+    """
+
+    block_size: int = 256
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_memory_percent: float = 0.8
+    max_blocks_per_request: int | None = 0
+    allow_block_sharing: bool = True
+    use_async_batching: bool | None = None
+    use_cuda_graph: bool | None = None
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    max_cached_graphs: int = 0
+    varlen_compile_config: CompileConfig | None = None
+    decode_compile_config: CompileConfig | None = None
+    use_default_compile_configs: bool = False
+    scheduler_type: str = "fifo"
+    return_logprobs: bool = False
+    max_queue_size: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+        if self.max_batch_tokens is not None:
+            _positive_int("max_batch_tokens", self.max_batch_tokens)
+        percent = self.max_memory_percent
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {percent!r}")
+        for name in ("max_blocks_per_request", "q_padding_interval_size", "kv_padding_interval_size",
+                     "max_cached_graphs", "max_queue_size"):
+            value = getattr(self, name)
+            if name == "max_blocks_per_request" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("allow_block_sharing", "use_default_compile_configs", "return_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("use_async_batching", "use_cuda_graph"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, CompileConfig):
+                raise ValueError(f"{name} must be a transformers CompileConfig or None, got {value!r}")
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_sources(cls, config: ContinuousBatchingConfig | None, *sources: Any) -> ContinuousBatchingConfig:
+        """`config` (or the defaults) updated with the config fields found in `sources`, in order.
+
+        A source is a mapping (e.g. `generate_batch`'s **kwargs) or an object with attributes (e.g. a
+        `GenerationConfig` that carries `max_batch_tokens`, as in transformers' older examples); None values
+        are skipped.
+        """
+        values = {name: getattr(config, name) for name in cls.field_names()} if config else {}
+        for source in sources:
+            for name in cls.field_names():
+                value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+                if value is not None:
+                    values[name] = value
+        return cls(**values)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,160 @@
+"""Paged attention for a stock transformers model, registered through `AttentionInterface`.
+
+The model runner switches the model to `ATTENTION_NAME` and passes a `PagedAttentionMetadata` as the forward
+keyword `METADATA_KWARG`; transformers hands every keyword down to the attention function of each layer. There,
+the layer's new K/V are written into their cache slots and each request attends over its own context, gathered
+from its blocks. Requests are attended in at most two padded groups (those computing one token and those computing
+several), so the work per layer is a handful of tensor ops whatever the number of requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from contbatch.engine.kv_cache import PagedKVCache
+
+ATTENTION_NAME = "contbatch_paged"
+METADATA_KWARG = "contbatch_metadata"
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together, padded to `num_queries` queries and `context_len` keys each.
+
+    Attributes:
+        batch_size: requests in the group.
+        num_queries: queries per request after padding (1 for a group of decoding requests).
+        context_len: keys per request after padding.
+        query_rows: [batch_size * num_queries] rows of the packed batch to use as queries; a padding query
+            repeats its request's last real row.
+        query_positions: [batch_size, num_queries] the position of each query in its sequence.
+        kv_slots: [batch_size * context_len] cache slots of each request's keys 0..context_len-1; padding keys
+            repeat the request's last key and are masked.
+        real_queries: indices into the flattened padded queries of the real ones, or None when there is no
+            padding; the outputs of those go to `query_rows[real_queries]`.
+    """
+
+    batch_size: int
+    num_queries: int
+    context_len: int
+    query_rows: torch.Tensor
+    query_positions: torch.Tensor
+    kv_slots: torch.Tensor
+    real_queries: torch.Tensor | None = None
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[batch_size, 1, num_queries, context_len] bool: query at position q sees key k iff k <= q and, with a
+        window W, k > q - W (as transformers' sliding-window mask). Built once per step for each window."""
+        if sliding_window not in self._masks:
+            keys = torch.arange(self.context_len, device=self.query_positions.device)
+            queries = self.query_positions.unsqueeze(-1)
+            allowed = keys <= queries
+            if sliding_window is not None:
+                allowed &= keys > queries - sliding_window
+            self._masks[sliding_window] = allowed.unsqueeze(1)
+        return self._masks[sliding_window]
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """What every layer's attention needs for one step.
+
+    Attributes:
+        cache: the physical K/V storage.
+        slot_mapping: [num_tokens] the cache slot of each token of the packed batch.
+        groups: the attention groups covering every token of the batch exactly once.
+    """
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [1, heads, tokens, head_dim], key/value
+    [1, kv_heads, tokens, head_dim] for the packed batch; returns ([1, tokens, heads, head_dim], None)."""
+    metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if metadata is None:
+        raise RuntimeError(
+            f"attention '{ATTENTION_NAME}' needs the keyword '{METADATA_KWARG}': run the model through contbatch"
+        )
+    layer = module.layer_idx
+    queries = query[0].transpose(0, 1)
+    metadata.cache.write(layer, metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    output = torch.empty_like(queries)
+    for group in metadata.groups:
+        attended = _attend_group(group, queries, metadata.cache, layer, sliding_window, scaling, softcap)
+        if group.real_queries is None:
+            output.index_copy_(0, group.query_rows, attended)
+        else:
+            rows = group.query_rows.index_select(0, group.real_queries)
+            output.index_copy_(0, rows, attended.index_select(0, group.real_queries))
+    return output.unsqueeze(0), None
+
+
+def _attend_group(
+    group: AttentionGroup,
+    queries: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    sliding_window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of one group; returns [batch_size * num_queries, heads, head_dim]."""
+    batch, num_queries, context = group.batch_size, group.num_queries, group.context_len
+    num_heads, head_dim = queries.shape[1], queries.shape[2]
+    kv_shape = (batch, context, cache.spec.num_kv_heads, head_dim)
+    keys = cache.keys[layer].index_select(0, group.kv_slots).view(kv_shape).transpose(1, 2)
+    values = cache.values[layer].index_select(0, group.kv_slots).view(kv_shape).transpose(1, 2)
+    q = queries.index_select(0, group.query_rows).view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    mask = group.mask(sliding_window)
+    if softcap:
+        out = _softcapped_attention(q, keys, values, mask, scaling, softcap)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float
+) -> torch.Tensor:
+    """Attention with logits soft-capped as softcap * tanh(logits / softcap) (Gemma 2), which SDPA lacks."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.matmul(logits.softmax(-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def paged_attention_mask(*args: Any, **kwargs: Any) -> None:
+    """The model's mask builders return nothing: masking happens inside `paged_attention_forward`, from the
+    batch metadata."""
+    return None
+
+
+def register_paged_attention() -> str:
+    """Registers the attention function and its mask under `ATTENTION_NAME` (idempotent); returns the name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_attention_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,178 @@
+"""`LLMEngine`: one step is schedule -> run the model -> sample -> update. Single-threaded and deterministic;
+everything else (generate_batch, the manager, the server) wraps it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from contbatch.config import ContinuousBatchingConfig
+from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache, available_memory_bytes, num_blocks_for_memory
+from contbatch.engine.kv_cache_manager import KVCacheManager
+from contbatch.engine.model_runner import ModelRunner
+from contbatch.engine.request import Request
+from contbatch.engine.sampler import Sampler
+from contbatch.engine.scheduler import Scheduler
+from contbatch.outputs import RequestStatus
+from contbatch.sampling_params import SamplingParams
+
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
+
+
+class LLMEngine:
+    """Continuous batching over a stock transformers causal LM.
+
+    `add_request` validates and queues a request (raising ValueError naming the request and the bad value);
+    `step` runs one forward over every request that can make progress and returns the requests that produced a
+    token. A failure inside a step fails the requests of that step only; the engine keeps serving.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        generation_config: GenerationConfig | None = None,
+        config: ContinuousBatchingConfig | None = None,
+    ) -> None:
+        self.config = config or ContinuousBatchingConfig()
+        self.generation_config = generation_config or model.generation_config
+        device = next(model.parameters()).device
+        spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype)
+        num_blocks = self.config.num_blocks or num_blocks_for_memory(
+            spec, self.config.block_size, available_memory_bytes(device), self.config.max_memory_percent
+        )
+        self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device)
+        self.block_pool = BlockPool(num_blocks)
+        self.kv_manager = KVCacheManager(
+            self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0
+        )
+        max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
+        self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
+        self.model_runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
+        self.device = device
+        text_config = model.config.get_text_config()
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.requests: dict[str, Request] = {}
+        self._request_ids = itertools.count()
+
+    def close(self) -> None:
+        """Restores the model's own attention implementation."""
+        self.model_runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_request(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        record_timestamps: bool = False,
+        **sampling: Any,
+    ) -> str:
+        """Queues a request; returns its id. `sampling` overrides the generation config per request (keys of
+        `SamplingParams`, or `eos_token_id`). Raises ValueError naming the request and the bad value."""
+        request_id = f"req_{next(self._request_ids)}" if request_id is None else request_id
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r}: a request with this id is already running")
+        try:
+            params = SamplingParams.from_generation_config(
+                self.generation_config, max_new_tokens=max_new_tokens, **sampling
+            )
+        except ValueError as error:
+            raise ValueError(f"request {request_id!r}: {error}") from None
+        if self.config.return_logprobs and not params.logprobs:
+            params = replace(params, logprobs=True)
+        prompt = self._validate_prompt(request_id, input_ids, params)
+        request = Request(request_id, prompt, params, record_timestamps=record_timestamps)
+        if params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _validate_prompt(self, request_id: str, input_ids: Sequence[int] | torch.Tensor,
+                         params: SamplingParams) -> list[int]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() != 1 or input_ids.is_floating_point():
+                raise ValueError(f"request {request_id!r}: input_ids must be a 1-D integer tensor, got {input_ids!r}")
+            input_ids = input_ids.tolist()
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+            raise ValueError(f"request {request_id!r}: input_ids must be a list of token ids, got {input_ids!r}")
+        if len(input_ids) == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        for token_id in input_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"request {request_id!r}: token id {token_id!r} is not an integer")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"request {request_id!r}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        total = len(input_ids) + params.max_new_tokens
+        capacity = self.kv_manager.max_tokens_per_request()
+        if total - 1 > capacity:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) needs {total - 1} cache slots, more than the cache can ever hold "
+                f"for one request ({capacity})"
+            )
+        if self.max_position_embeddings is not None and total > self.max_position_embeddings:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {total} exceeds the model's {self.max_position_embeddings} positions"
+            )
+        return list(input_ids)
+
+    def cancel_request(self, request_id: str) -> Request | None:
+        """Cancels a queued or running request and frees its blocks; unknown or finished ids are ignored."""
+        request = self.scheduler.cancel(request_id)
+        if request is not None:
+            self.requests.pop(request_id, None)
+        return request
+
+    def step(self) -> list[Request]:
+        """Runs one step; returns the requests that produced a token or failed in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        try:
+            logits = self.model_runner.execute(batch, self.kv_manager)
+            sampling = batch.sampling_requests
+            sampled = self.sampler.sample(
+                logits, [r.params for r in sampling], [r.generator for r in sampling]
+            )
+        except Exception as error:  # a failing batch fails its own requests, never the engine
+            self.scheduler.finish_requests(batch.requests, RequestStatus.FAILED, "error",
+                                           f"{type(error).__name__}: {error}")
+            return self._retire(batch.requests)
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        produced = self.scheduler.update(batch, sampled.token_ids.tolist(), logprobs, time.time())
+        return self._retire(produced)
+
+    def _retire(self, requests: list[Request]) -> list[Request]:
+        for request in requests:
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        return requests
+
+    def check_integrity(self) -> None:
+        """Cache bookkeeping invariants; call when idle to also check that nothing leaked."""
+        self.kv_manager.check_integrity()
+        if not self.has_unfinished_requests():
+            assert self.block_pool.is_whole, "blocks leaked: the pool is not whole while the engine is idle"

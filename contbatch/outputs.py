@@ -1,0 +1,54 @@
+"""Public result types: what a caller gets back for each request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Terminal states compare greater than every live state.
+
+    PENDING -> PREFILLING -> DECODING -> FINISHED | FAILED | CANCELLED
+    """
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+@dataclass
+class GenerationOutput:
+    """The result of one request.
+
+    Attributes:
+        request_id: the id the request was submitted under.
+        prompt_ids: the prompt's token ids, as submitted.
+        generated_tokens: the tokens generated so far (all of them once the status is terminal).
+        logprobs: the log-probability of each generated token under the model's raw logits, when asked for.
+        status: the request's status when this output was made.
+        finish_reason: "stop" (an EOS token), "length" (max_new_tokens), "cancelled" or "error"; None while running.
+        error: the error text of a FAILED request.
+        created_time: `time.time()` when the request was submitted.
+        timestamps: `time.time()` at which each generated token was produced, when asked for.
+    """
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    created_time: float = 0.0
+    timestamps: list[float] | None = None
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished

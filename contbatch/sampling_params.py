@@ -1,0 +1,99 @@
+"""Per-request sampling parameters, derived from a `GenerationConfig` plus per-request overrides."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from transformers import GenerationConfig
+
+_OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_ids", "seed", "logprobs")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its next tokens and when it stops.
+
+    Attributes:
+        do_sample: False means greedy (argmax); temperature, top_k and top_p are then ignored.
+        temperature: logits are divided by it before sampling; > 0.
+        top_k: keep only the k most likely tokens; 0 keeps all.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p; 1.0 keeps all.
+        max_new_tokens: the request finishes with reason "length" after this many generated tokens; >= 1.
+        eos_token_ids: generating any of these finishes the request with reason "stop" (the token is kept).
+        seed: when set, the request samples from its own generator seeded with it, so its tokens do not
+            depend on the rest of the batch.
+        logprobs: record the log-probability (under the raw logits) of each chosen token.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 20
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        _check_int("top_k", self.top_k, minimum=0)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number > 0 when sampling, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for token_id in self.eos_token_ids:
+            _check_int("eos_token_id", token_id, minimum=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample
+
+    @classmethod
+    def from_generation_config(cls, config: GenerationConfig | None, **overrides: Any) -> SamplingParams:
+        """Reads do_sample, temperature, top_k, top_p, max_new_tokens and eos_token_id from `config`, then applies
+        the non-None `overrides` (keys among SamplingParams' fields; `eos_token_id` is accepted for
+        `eos_token_ids` and may be one id or a list). Raises ValueError naming an unknown key or a bad value."""
+        base = cls()
+        if config is not None:
+            base = replace(
+                base,
+                do_sample=bool(config.do_sample),
+                temperature=1.0 if config.temperature is None else config.temperature,
+                top_k=config.top_k or 0,
+                top_p=1.0 if config.top_p is None else config.top_p,
+                max_new_tokens=base.max_new_tokens if config.max_new_tokens is None else config.max_new_tokens,
+                eos_token_ids=_as_ids(config.eos_token_id),
+            )
+        if "eos_token_id" in overrides:
+            overrides["eos_token_ids"] = overrides.pop("eos_token_id")
+        unknown = set(overrides) - set(_OVERRIDABLE)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {list(_OVERRIDABLE)}")
+        given = {key: value for key, value in overrides.items() if value is not None}
+        if "eos_token_ids" in given:
+            given["eos_token_ids"] = _as_ids(given["eos_token_ids"])
+        if given.get("temperature", 1.0) != 1.0 or given.get("top_p", 1.0) != 1.0 or given.get("top_k", 0):
+            given.setdefault("do_sample", True)
+        return replace(base, **given)
+
+
+def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny randomly initialised models of several families, and reference generation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+)
+
+from contbatch import ContinuousBatchingConfig, LLMEngine
+from contbatch.engine.request import Request
+
+VOCAB = 256
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1)
+
+TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": lambda: LlamaConfig(num_hidden_layers=2, **_COMMON),
+    "qwen3": lambda: Qwen3Config(num_hidden_layers=2, head_dim=16, **_COMMON),
+    "mistral-sliding": lambda: MistralConfig(num_hidden_layers=2, sliding_window=7, **_COMMON),
+    "gemma3-hybrid": lambda: Gemma3TextConfig(
+        num_hidden_layers=4, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], **_COMMON
+    ),
+    "gemma2-softcap": lambda: Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=6, **_COMMON),
+}
+
+_MODELS: dict[str, PreTrainedModel] = {}
+
+
+def tiny_model(name: str) -> PreTrainedModel:
+    """A tiny random model of family `name`, built once per test session (seeded, float32, eval mode)."""
+    if name not in _MODELS:
+        torch.manual_seed(1234)
+        attention = "eager" if name.startswith("gemma2") else "sdpa"  # Gemma 2 has no SDPA path in transformers
+        model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation=attention)
+        model.generation_config.eos_token_id = None  # tests choose their EOS explicitly
+        _MODELS[name] = model.eval()
+    return _MODELS[name]
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def model_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def random_prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
+
+
+_REFERENCES: dict[tuple, list[int]] = {}
+
+
+def reference_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int,
+                       eos_token_id: int | None = None) -> list[int]:
+    """Greedy `model.generate` on the prompt alone (no padding), the ground truth of every parity test."""
+    key = (id(model), tuple(prompt), max_new_tokens, eos_token_id)
+    if key not in _REFERENCES:
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                                  pad_token_id=0)
+        with torch.inference_mode():
+            output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    generation_config=config)
+        _REFERENCES[key] = output[0, len(prompt):].tolist()
+    return _REFERENCES[key]
+
+
+def run_engine(engine: LLMEngine) -> dict[str, Request]:
+    """Steps `engine` until idle; returns every finished request by id. Asserts the cache is whole afterwards."""
+    finished: dict[str, Request] = {}
+    while engine.has_unfinished_requests():
+        for request in engine.step():
+            if request.is_finished:
+                finished[request.request_id] = request
+    engine.check_integrity()
+    assert engine.block_pool.is_whole
+    return finished
+
+
+def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:
+    generation_config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
+    return LLMEngine(model, generation_config, ContinuousBatchingConfig(**config))  # type: ignore[arg-type]

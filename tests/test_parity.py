@@ -1,0 +1,69 @@
+"""Greedy contbatch equals greedy `model.generate`, token for token, whatever the batch composition."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+
+# Prompts from 1 token to several blocks; different max_new_tokens per request.
+LENGTHS = [1, 2, 5, 9, 16, 17, 31, 40, 64]
+MAX_NEW = [12, 3, 9, 1, 14, 6, 10, 2, 7]
+
+CONFIGS = [
+    # block size 1, budget that chunks every prefill
+    dict(block_size=1, num_blocks=600, max_batch_tokens=5),
+    # small blocks, a budget smaller than most prompts, prefill_first
+    dict(block_size=4, num_blocks=200, max_batch_tokens=13, scheduler_type="prefill_first"),
+    # blocks larger than every prompt, budget large enough for everything at once
+    dict(block_size=128, num_blocks=10, max_batch_tokens=4096),
+    # more requests than the cache holds at once: preemption and waiting
+    dict(block_size=8, num_blocks=14, max_batch_tokens=32),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["bs1-chunk5", "bs4-prefill_first", "bs128-big", "bs8-tight"])
+def test_greedy_matches_generate(model_name: str, config: dict) -> None:
+    model = tiny_model(model_name)
+    own_attention = model.config._attn_implementation
+    prompts = random_prompts(LENGTHS, seed=1)
+    with make_engine(model, **config) as engine:
+        for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=max_new)
+        finished = run_engine(engine)
+    for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+        expected = reference_generate(model, prompt, max_new)
+        assert finished[f"r{index}"].generated_tokens == expected, f"request r{index} (prompt {len(prompt)} tokens)"
+    assert model.config._attn_implementation == own_attention
+
+
+def test_eos_stops_and_is_kept() -> None:
+    model = tiny_model("llama")
+    prompt = random_prompts([12], seed=3)[0]
+    free_run = reference_generate(model, prompt, 10)
+    eos = free_run[4]
+    with make_engine(model, block_size=4, num_blocks=64) as engine:
+        engine.add_request(prompt, request_id="eos", max_new_tokens=10, eos_token_id=[255, eos])
+        request = run_engine(engine)["eos"]
+    first = free_run.index(eos)
+    assert request.generated_tokens == free_run[: first + 1]
+    assert request.finish_reason == "stop"
+
+
+def test_requests_added_while_running_match_generate() -> None:
+    model = tiny_model("qwen3")
+    prompts = random_prompts([7, 20, 3, 33], seed=4)
+    finished = {}
+    with make_engine(model, block_size=4, num_blocks=100, max_batch_tokens=16) as engine:
+        engine.add_request(prompts[0], request_id="a", max_new_tokens=12)
+        for step in range(40):
+            if step == 3:
+                engine.add_request(prompts[1], request_id="b", max_new_tokens=8)
+            if step == 6:
+                engine.add_request(prompts[2], request_id="c", max_new_tokens=5)
+                engine.add_request(prompts[3], request_id="d", max_new_tokens=9)
+            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+        assert not engine.has_unfinished_requests()
+    for rid, prompt, max_new in zip("abcd", prompts, [12, 8, 5, 9], strict=True):
+        assert finished[rid].generated_tokens == reference_generate(model, prompt, max_new)
+    assert engine.block_pool.is_whole
