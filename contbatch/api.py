@@ -34,7 +34,7 @@ def generate_batch(
     `max_new_tokens` and any `ContinuousBatchingConfig` field (which override `continuous_batching_config`);
     config fields carried by `generation_config` (as in transformers' older examples) are honoured when no
     `continuous_batching_config` is given. With `persistent_manager=True` the engine (and its cache) stays
-    attached to the model and is reused by the next call with the same configuration; otherwise the model gets
+    attached to the model and is reused by the next call with the same configuration. Either way the model gets
     its own attention implementation back before this returns.
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)
@@ -48,10 +48,9 @@ def generate_batch(
     try:
         return _run(engine, inputs, max_new_tokens, record_timestamps, progress_bar)
     finally:
+        engine.close()
         if persistent_manager:
             setattr(model, _ENGINE_ATTRIBUTE, engine)
-        else:
-            engine.close()
 
 
 def _engine_for(model: PreTrainedModel, generation_config: GenerationConfig,
@@ -60,6 +59,7 @@ def _engine_for(model: PreTrainedModel, generation_config: GenerationConfig,
     if engine is not None:
         delattr(model, _ENGINE_ATTRIBUTE)
         if engine.config == config and engine.generation_config == generation_config:
+            engine.model_runner.attach()
             return engine
         engine.close()
     return LLMEngine(model, generation_config, config)
@@ -85,6 +85,7 @@ def _run(engine: LLMEngine, inputs: Sequence[Sequence[int]], max_new_tokens: int
                     outputs[request.request_id] = request.to_output()
                     bar.update(1)
             bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
+    engine.check_integrity()
     return {request_id: outputs[request_id] for request_id in request_ids}
 
 

@@ -14,11 +14,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from contbatch.api import generate_batch
+from contbatch.config import ContinuousBatchingConfig
+
 EosTokenId = int | Sequence[int] | None
 
-# transformers 5.23 deprecates "paged|sdpa" (it still works but warns and strips the prefix): continuous
-# batching accepts plain "sdpa" (or "paged|eager", or a flash implementation), so that is the spelling used.
-CB_ATTN_IMPLEMENTATION = "sdpa"
+# The spelling transformers documents for its continuous batching; 5.23 warns that the prefix is no longer
+# needed and runs it as plain "sdpa".
+CB_ATTN_IMPLEMENTATION = "paged|sdpa"
 
 _WARMUP_PROMPTS = 2
 _WARMUP_NEW_TOKENS = 4
@@ -73,6 +76,31 @@ def _first_eos(eos_token_id: EosTokenId) -> int | None:
 def _greedy_config(max_new_tokens: int, eos_token_id: EosTokenId, pad_token_id: int | None) -> GenerationConfig:
     eos = eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id)
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad_token_id)
+
+
+def run_contbatch(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: EosTokenId,
+    config: ContinuousBatchingConfig | None = None,
+) -> BenchResult:
+    """Run the workload through contbatch's `generate_batch` (greedy)."""
+    generation_config = _greedy_config(max_new_tokens, eos_token_id, model.generation_config.pad_token_id)
+    warmup = inputs[:_WARMUP_PROMPTS]
+    generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=_WARMUP_NEW_TOKENS)
+    start = time.perf_counter()
+    outputs = generate_batch(model, inputs, generation_config, config, progress_bar=False)
+    wall = time.perf_counter() - start
+    failed = [output.error for output in outputs.values() if output.error is not None]
+    if failed:
+        raise RuntimeError(f"contbatch failed {len(failed)} requests, first: {failed[0]}")
+    return BenchResult(
+        engine="contbatch",
+        wall_s=wall,
+        generated_tokens=sum(len(output.generated_tokens) for output in outputs.values()),
+        prompt_tokens=sum(len(ids) for ids in inputs),
+    )
 
 
 def run_transformers_generate_batch(

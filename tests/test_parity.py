@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from contbatch.engine import attention, cpu_kernels
 from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 # Prompts from 1 token to several blocks; different max_new_tokens per request.
@@ -35,6 +36,24 @@ def test_greedy_matches_generate(model_name: str, config: dict) -> None:
         expected = reference_generate(model, prompt, max_new)
         assert finished[f"r{index}"].generated_tokens == expected, f"request r{index} (prompt {len(prompt)} tokens)"
     assert model.config._attn_implementation == own_attention
+
+
+def test_sdpa_fallback_matches_generate(model_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the CPU decode kernel (no compiler, or a GPU) decoding goes through SDPA on gathered K/V."""
+    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
+    model = tiny_model(model_name)
+    prompts = random_prompts(LENGTHS, seed=5)
+    with make_engine(model, block_size=4, num_blocks=300, max_batch_tokens=24) as engine:
+        for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=max_new)
+        finished = run_engine(engine)
+    for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+        assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, max_new), f"r{index}"
+
+
+def test_decode_kernel_is_built_here() -> None:
+    """The CPU kernel builds on this machine (the fallback above must not be what the suite silently tests)."""
+    assert cpu_kernels.paged_decode_kernel() is not None
 
 
 def test_eos_stops_and_is_kept() -> None:

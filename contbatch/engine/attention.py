@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "contbatch_paged"
@@ -97,7 +98,7 @@ def paged_attention_forward(
         )
     layer = module.layer_idx
     queries = query[0].transpose(0, 1)
-    metadata.cache.write(layer, metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    metadata.cache.write(layer, metadata.slot_mapping, key[0], value[0])
     output = torch.empty_like(queries)
     for group in metadata.groups:
         attended = _attend_group(group, queries, metadata.cache, layer, sliding_window, scaling, softcap)
@@ -121,10 +122,16 @@ def _attend_group(
     """Attention of one group; returns [batch_size * num_queries, heads, head_dim]."""
     batch, num_queries, context = group.batch_size, group.num_queries, group.context_len
     num_heads, head_dim = queries.shape[1], queries.shape[2]
-    kv_shape = (batch, context, cache.spec.num_kv_heads, head_dim)
-    keys = cache.keys[layer].index_select(0, group.kv_slots).view(kv_shape).transpose(1, 2)
-    values = cache.values[layer].index_select(0, group.kv_slots).view(kv_shape).transpose(1, 2)
-    q = queries.index_select(0, group.query_rows).view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
+    q = queries.index_select(0, group.query_rows)
+    kernel = _decode_kernel_for(group, q, cache)
+    if kernel is not None:
+        lengths = group.query_positions[:, 0] + 1
+        first = (lengths - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lengths)
+        scale = head_dim**-0.5 if scaling is None else scaling
+        slots = group.kv_slots.view(batch, context)
+        return kernel(q, cache.keys[layer], cache.values[layer], slots, lengths, first, scale, softcap or 0.0)
+    keys, values = cache.gather(layer, group.kv_slots, batch, context)
+    q = q.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     mask = group.mask(sliding_window)
     if softcap:
@@ -132,6 +139,15 @@ def _attend_group(
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
+
+
+def _decode_kernel_for(group: AttentionGroup, q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
+    """The CPU decode kernel when it applies: one query per request, float32 on CPU, and the kernel built."""
+    if group.num_queries != 1 or q.device.type != "cpu" or q.dtype != torch.float32:
+        return None
+    if cache.spec.dtype != torch.float32:
+        return None
+    return paged_decode_kernel()
 
 
 def _softcapped_attention(

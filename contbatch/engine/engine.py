@@ -125,17 +125,17 @@ class LLMEngine:
                     f"request {request_id!r}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
         total = len(input_ids) + params.max_new_tokens
+        if self.max_position_embeddings is not None and total > self.max_position_embeddings:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {total} exceeds the model's {self.max_position_embeddings} positions"
+            )
         capacity = self.kv_manager.max_tokens_per_request()
         if total - 1 > capacity:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) needs {total - 1} cache slots, more than the cache can ever hold "
                 f"for one request ({capacity})"
-            )
-        if self.max_position_embeddings is not None and total > self.max_position_embeddings:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) = {total} exceeds the model's {self.max_position_embeddings} positions"
             )
         return list(input_ids)
 

@@ -50,22 +50,30 @@ def num_blocks_for_memory(spec: KVCacheSpec, block_size: int, memory_bytes: int,
 class PagedKVCache:
     """K and V of every layer, in blocks of `block_size` token slots.
 
-    Layer `l`'s keys are `keys[l]`, shaped `[num_blocks * block_size, num_kv_heads, head_dim]`: slot
-    `block_id * block_size + offset` holds the token at `offset` in block `block_id`. Keeping the slots flat
-    lets one `index_select` gather a whole batch's context, the fastest gather on CPU.
+    Layer `l`'s keys are `keys[l]`, shaped `[num_kv_heads, num_blocks * block_size, head_dim]`: slot
+    `block_id * block_size + offset` holds the token at `offset` in block `block_id`. Slots are flat so that one
+    `index_select` gathers a whole batch's context; heads come first so that one request's keys of one head lie
+    contiguous within a block, which the decode kernel reads directly.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, 2, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         # torch.empty: pages are only touched when written, so a large cache costs what it holds.
         self._storage = torch.empty(shape, dtype=spec.dtype, device=device)
         self.keys = [self._storage[layer, 0] for layer in range(spec.num_layers)]
         self.values = [self._storage[layer, 1] for layer in range(spec.num_layers)]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Stores `key`/`value` ([num_tokens, num_kv_heads, head_dim]) of `layer` at `slot_mapping`."""
-        self.keys[layer].index_copy_(0, slot_mapping, key.to(self.spec.dtype))
-        self.values[layer].index_copy_(0, slot_mapping, value.to(self.spec.dtype))
+        """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping`."""
+        self.keys[layer].index_copy_(1, slot_mapping, key.to(self.spec.dtype))
+        self.values[layer].index_copy_(1, slot_mapping, value.to(self.spec.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` ([batch * length]) as [batch, num_kv_heads, length, head_dim] views."""
+        shape = (self.spec.num_kv_heads, batch, length, self.spec.head_dim)
+        keys = self.keys[layer].index_select(1, slots).view(shape).transpose(0, 1)
+        values = self.values[layer].index_select(1, slots).view(shape).transpose(0, 1)
+        return keys, values

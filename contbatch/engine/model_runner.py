@@ -19,8 +19,8 @@ from contbatch.engine.kv_cache_manager import KVCacheManager
 class ModelRunner:
     """Runs `model` with contbatch's paged attention.
 
-    While the runner is open the model's attention implementation is contbatch's; `close()` restores the one it
-    had. Every step is one forward over one packed, ragged batch (`[1, num_tokens]`, no padding between
+    While the runner is attached the model's attention implementation is contbatch's; `close()` restores the one
+    it had. Every step is one forward over one packed, ragged batch (`[1, num_tokens]`, no padding between
     requests), and logits are computed only at the positions that sample.
     """
 
@@ -28,11 +28,17 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = cache.keys[0].device
-        self._previous_attention = model.config._attn_implementation
-        model.set_attn_implementation(register_paged_attention())
+        self._previous_attention: str | None = None
+        self.attach()
+
+    def attach(self) -> None:
+        """Switches the model to contbatch's paged attention (idempotent)."""
+        if self._previous_attention is None:
+            self._previous_attention = self.model.config._attn_implementation
+            self.model.set_attn_implementation(register_paged_attention())
 
     def close(self) -> None:
-        """Gives the model back its own attention implementation."""
+        """Gives the model back its own attention implementation (idempotent); `attach` takes it again."""
         if self._previous_attention is not None:
             self.model.set_attn_implementation(self._previous_attention)
             self._previous_attention = None

@@ -1,0 +1,54 @@
+"""contbatch's CPU kernel: paged decode attention, compiled on first use with torch's C++ extension builder.
+
+Building needs a C++ compiler and ninja; the result is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
+under ~/.cache), so only the first process on a machine pays the ~20 s build. Where the build fails, or with
+`CONTBATCH_CPU_KERNELS=0`, attention falls back to PyTorch's SDPA on gathered K/V (same results, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+
+DecodeKernel = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def paged_decode_kernel() -> DecodeKernel | None:
+    """The compiled `paged_decode_attention(query, key_cache, value_cache, slots, lengths, first, scale, softcap)`,
+    or None when it is disabled or cannot be built (the reason is logged once)."""
+    if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        # -march=native: the build is only valid on this kind of CPU, so its flags are part of the name.
+        digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+        module = load(
+            name=f"contbatch_paged_decode_{digest}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no ninja, no headers: the SDPA path still works
+        logger.warning("contbatch: CPU decode kernel unavailable (%s); using SDPA", error)
+        return None
+    return module.paged_decode_attention
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""

@@ -1,0 +1,104 @@
+"""Block pool and KV-cache manager bookkeeping, with exact block ids and free-queue order."""
+
+from __future__ import annotations
+
+import pytest
+
+from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.kv_cache_manager import KVCacheManager
+
+
+def test_allocate_takes_lowest_ids_in_order() -> None:
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    assert pool.num_free_blocks == 1
+    assert [pool.ref_count(b) for b in range(6)] == [1, 1, 1, 1, 1, 0]
+    pool.check_integrity()
+
+
+def test_freed_blocks_are_reused_first_in_table_order() -> None:
+    pool = BlockPool(6)
+    first, second = pool.allocate(2), pool.allocate(2)
+    assert (first, second) == ([0, 1], [2, 3])
+    pool.free(reversed(second))
+    assert list(pool._free) == [2, 3, 4, 5]
+    assert pool.allocate(3) == [2, 3, 4]
+    pool.free(reversed(first))
+    assert list(pool._free) == [0, 1, 5]
+    pool.check_integrity()
+
+
+def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
+    pool = BlockPool(3)
+    pool.allocate(2)
+    assert not pool.can_allocate(2)
+    with pytest.raises(RuntimeError, match="asked for 2 blocks, only 1 free"):
+        pool.allocate(2)
+    assert pool.num_free_blocks == 1
+    pool.check_integrity()
+
+
+def test_shared_block_is_freed_by_its_last_holder() -> None:
+    pool = BlockPool(4)
+    [block] = pool.allocate(1)
+    pool.incref([block])
+    assert pool.ref_count(block) == 2
+    pool.free([block])
+    assert pool.ref_count(block) == 1 and block not in pool._free
+    pool.free([block])
+    assert pool.ref_count(block) == 0 and pool._free[0] == block
+    assert pool.is_whole
+
+
+def test_double_free_and_sharing_a_free_block_raise() -> None:
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([block])
+    with pytest.raises(RuntimeError, match="is free and cannot be shared"):
+        pool.incref([block])
+
+
+def test_integrity_check_catches_a_corrupted_pool() -> None:
+    pool = BlockPool(3)
+    pool.allocate(1)
+    pool._free.append(0)
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_manager_grows_tables_by_whole_blocks() -> None:
+    manager = KVCacheManager(BlockPool(10), block_size=4)
+    assert manager.num_new_blocks("a", 1) == 1
+    manager.allocate_slots("a", 5)
+    assert manager.block_table("a") == [0, 1]
+    manager.allocate_slots("a", 8)
+    assert manager.block_table("a") == [0, 1]
+    manager.allocate_slots("b", 4)
+    manager.allocate_slots("a", 9)
+    assert manager.block_table("a") == [0, 1, 3]
+    assert manager.block_table("b") == [2]
+    manager.check_integrity()
+    manager.free("a")
+    manager.free("a")
+    assert manager.block_table("a") == []
+    assert list(manager.pool._free)[:3] == [0, 1, 3]
+    manager.free("b")
+    assert manager.pool.is_whole
+    manager.check_integrity()
+
+
+def test_manager_respects_max_blocks_per_request() -> None:
+    manager = KVCacheManager(BlockPool(10), block_size=4, max_blocks_per_request=2)
+    assert manager.max_tokens_per_request() == 8
+    assert manager.can_allocate("a", 8)
+    assert not manager.can_allocate("a", 9)
+
+
+def test_manager_cannot_allocate_past_the_pool() -> None:
+    manager = KVCacheManager(BlockPool(3), block_size=2)
+    manager.allocate_slots("a", 4)
+    assert manager.can_allocate("b", 2)
+    assert not manager.can_allocate("b", 3)
