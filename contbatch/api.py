@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -11,10 +12,10 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch.config import ContinuousBatchingConfig
-from contbatch.engine.engine import LLMEngine
+from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, RequestStatus
 
-_ENGINE_ATTRIBUTE = "_contbatch_engine"
+_MANAGER_ATTRIBUTE = "_contbatch_manager"
 
 
 def generate_batch(
@@ -33,9 +34,10 @@ def generate_batch(
     raise: its output comes back FAILED with `error` set, and the other requests complete. `kwargs` may hold
     `max_new_tokens` and any `ContinuousBatchingConfig` field (which override `continuous_batching_config`);
     config fields carried by `generation_config` (as in transformers' older examples) are honoured when no
-    `continuous_batching_config` is given. With `persistent_manager=True` the engine (and its cache) stays
-    attached to the model and is reused by the next call with the same configuration. Either way the model gets
-    its own attention implementation back before this returns.
+    `continuous_batching_config` is given. Runs on a `ContinuousBatchingManager`; with
+    `persistent_manager=True` the manager (and its cache) stays attached to the model and is reused by the next
+    call with the same configuration. Either way the model gets its own attention implementation back before
+    this returns.
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     unknown = set(kwargs) - set(ContinuousBatchingConfig.field_names())
@@ -44,48 +46,47 @@ def generate_batch(
     generation_config = generation_config or model.generation_config
     sources = (kwargs,) if continuous_batching_config else (generation_config, kwargs)
     config = ContinuousBatchingConfig.from_sources(continuous_batching_config, *sources)
-    engine = _engine_for(model, generation_config, config)
+    manager = _manager_for(model, generation_config, config)
+    manager.start()
     try:
-        return _run(engine, inputs, max_new_tokens, record_timestamps, progress_bar)
+        return _run(manager, inputs, max_new_tokens, record_timestamps, progress_bar)
     finally:
-        engine.close()
+        manager.stop(keep_for_next_session=persistent_manager)
         if persistent_manager:
-            setattr(model, _ENGINE_ATTRIBUTE, engine)
+            setattr(model, _MANAGER_ATTRIBUTE, manager)
 
 
-def _engine_for(model: PreTrainedModel, generation_config: GenerationConfig,
-                config: ContinuousBatchingConfig) -> LLMEngine:
-    engine: LLMEngine | None = getattr(model, _ENGINE_ATTRIBUTE, None)
-    if engine is not None:
-        delattr(model, _ENGINE_ATTRIBUTE)
-        if engine.config == config and engine.generation_config == generation_config:
-            engine.model_runner.attach()
-            return engine
-        engine.close()
-    return LLMEngine(model, generation_config, config)
+def _manager_for(model: PreTrainedModel, generation_config: GenerationConfig,
+                 config: ContinuousBatchingConfig) -> ContinuousBatchingManager:
+    manager: ContinuousBatchingManager | None = getattr(model, _MANAGER_ATTRIBUTE, None)
+    if manager is not None:
+        delattr(model, _MANAGER_ATTRIBUTE)
+        if manager.config == config and manager.generation_config == generation_config:
+            return manager
+        manager.stop()
+    return ContinuousBatchingManager(model, generation_config, config)
 
 
-def _run(engine: LLMEngine, inputs: Sequence[Sequence[int]], max_new_tokens: int | None,
+def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], max_new_tokens: int | None,
          record_timestamps: bool, progress_bar: bool) -> dict[str, GenerationOutput]:
     request_ids = [f"req_{index}" for index in range(len(inputs))]
     outputs: dict[str, GenerationOutput] = {}
-    for request_id, prompt in zip(request_ids, inputs, strict=True):
-        try:
-            engine.add_request(prompt, request_id, max_new_tokens, record_timestamps)
-        except ValueError as error:
-            outputs[request_id] = _failed_output(request_id, prompt, str(error))
-    start, generated = time.perf_counter(), 0
     with tqdm(total=len(request_ids), desc="generate_batch", unit="req", disable=not progress_bar) as bar:
-        bar.update(len(outputs))
-        while engine.has_unfinished_requests():
-            produced = engine.step()
-            generated += sum(request.status != RequestStatus.FAILED for request in produced)
-            for request in produced:
-                if request.is_finished:
-                    outputs[request.request_id] = request.to_output()
-                    bar.update(1)
+        for request_id, prompt in zip(request_ids, inputs, strict=True):
+            try:
+                manager.add_request(prompt, request_id, max_new_tokens, record_timestamps=record_timestamps)
+            except ValueError as error:
+                outputs[request_id] = _failed_output(request_id, prompt, str(error))
+                bar.update(1)
+        start, generated = time.perf_counter(), 0
+        while len(outputs) < len(request_ids):
+            output = manager.get_result(timeout=1.0)
+            if output is None:
+                continue
+            outputs[output.request_id] = output
+            generated += len(output.generated_tokens)
+            bar.update(1)
             bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
-    engine.check_integrity()
     return {request_id: outputs[request_id] for request_id in request_ids}
 
 
@@ -95,6 +96,27 @@ def _failed_output(request_id: str, prompt: Any, error: str) -> GenerationOutput
         prompt_ids = prompt.tolist()
     return GenerationOutput(request_id, prompt_ids=prompt_ids, status=RequestStatus.FAILED,
                             finish_reason="error", error=error, created_time=time.time())
+
+
+def init_continuous_batching(model: PreTrainedModel, generation_config: GenerationConfig | None = None,
+                             continuous_batching_config: ContinuousBatchingConfig | None = None
+                             ) -> ContinuousBatchingManager:
+    """A manager for `model`, not started yet."""
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+
+
+@contextmanager
+def continuous_batching_context_manager(
+    model: PreTrainedModel, generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+) -> Iterator[ContinuousBatchingManager]:
+    """A started manager for the `with` block; stopped (unfinished requests cancelled) when the block exits."""
+    manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop()
 
 
 class ContinuousMixin:
@@ -117,6 +139,20 @@ class ContinuousMixin:
         """contbatch's `generate_batch` on this model; see `contbatch.generate_batch`."""
         return generate_batch(self, inputs, generation_config, continuous_batching_config,  # type: ignore[arg-type]
                               record_timestamps, progress_bar, persistent_manager, **kwargs)
+
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
+                                 continuous_batching_config: ContinuousBatchingConfig | None = None
+                                 ) -> ContinuousBatchingManager:
+        """A `ContinuousBatchingManager` for this model, not started yet."""
+        return init_continuous_batching(self, generation_config, continuous_batching_config)  # type: ignore[arg-type]
+
+    def continuous_batching_context_manager(
+        self, generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+    ) -> AbstractContextManager[ContinuousBatchingManager]:
+        """A started manager for a `with` block, stopped when it exits."""
+        return continuous_batching_context_manager(self, generation_config,  # type: ignore[arg-type]
+                                                   continuous_batching_config)
 
 
 def add_continuous_batching(model: PreTrainedModel) -> PreTrainedModel:

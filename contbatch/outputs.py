@@ -38,6 +38,8 @@ class GenerationOutput:
         error: the error text of a FAILED request.
         created_time: `time.time()` when the request was submitted.
         timestamps: `time.time()` at which each generated token was produced, when asked for.
+        new_tokens: the tokens generated since this request's previous output (a streaming request gets an
+            output per step; the concatenated `new_tokens` of its outputs equal the final `generated_tokens`).
     """
 
     request_id: str
@@ -49,6 +51,7 @@ class GenerationOutput:
     error: str | None = None
     created_time: float = 0.0
     timestamps: list[float] | None = None
+    new_tokens: list[int] = field(default_factory=list)
 
     def is_finished(self) -> bool:
         return self.status.is_finished

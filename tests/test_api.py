@@ -34,17 +34,19 @@ def test_config_fields_from_kwargs_and_generation_config_and_persistent_engine()
                               use_cuda_graph=False)
     first = generate_batch(model, prompts, legacy, progress_bar=False, persistent_manager=True, block_size=2,
                            num_blocks=40)
-    engine = model._contbatch_engine
+    manager = model._contbatch_manager
+    engine = manager.engine
+    assert not manager.is_running()
     assert engine.config.max_batch_tokens == 6 and engine.config.block_size == 2
     assert engine.config.use_cuda_graph is False
     assert model.config._attn_implementation == "sdpa", "a persistent engine must not keep the model switched"
     assert [o.generated_tokens for o in first.values()] == [reference_generate(model, p, 3) for p in prompts]
     second = generate_batch(model, prompts[::-1], legacy, progress_bar=False, persistent_manager=True,
                             block_size=2, num_blocks=40)
-    assert model._contbatch_engine is engine
+    assert model._contbatch_manager is manager and manager.engine is engine
     assert [o.generated_tokens for o in second.values()] == [reference_generate(model, p, 3) for p in prompts[::-1]]
     generate_batch(model, prompts, legacy, progress_bar=False, block_size=2, num_blocks=40)
-    assert not hasattr(model, "_contbatch_engine")
+    assert not hasattr(model, "_contbatch_manager")
     assert engine.block_pool.is_whole
 
 

@@ -87,10 +87,22 @@ class LLMEngine:
         """Queues a request; returns its id. `sampling` overrides the generation config per request (keys of
         `SamplingParams`, or `eos_token_id`). Raises ValueError naming the request and the bad value."""
         request_id = f"req_{next(self._request_ids)}" if request_id is None else request_id
+        request = self.make_request(input_ids, request_id, max_new_tokens, record_timestamps, **sampling)
+        self.add(request)
+        return request_id
+
+    def make_request(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        request_id: str,
+        max_new_tokens: int | None = None,
+        record_timestamps: bool = False,
+        **sampling: Any,
+    ) -> Request:
+        """A validated request, not queued yet. Reads only the engine's fixed settings, so any thread may call
+        it. Raises ValueError naming the request and the bad value."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request {request_id!r}: a request with this id is already running")
         try:
             params = SamplingParams.from_generation_config(
                 self.generation_config, max_new_tokens=max_new_tokens, **sampling
@@ -103,9 +115,14 @@ class LLMEngine:
         request = Request(request_id, prompt, params, record_timestamps=record_timestamps)
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
-        self.requests[request_id] = request
+        return request
+
+    def add(self, request: Request) -> None:
+        """Queues a request made by `make_request`. Raises ValueError if its id is already queued or running."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
+        self.requests[request.request_id] = request
         self.scheduler.add_request(request)
-        return request_id
 
     def _validate_prompt(self, request_id: str, input_ids: Sequence[int] | torch.Tensor,
                          params: SamplingParams) -> list[int]:

@@ -38,6 +38,7 @@ class Request:
     error: str | None = None
     created_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
+    num_reported_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -89,14 +90,19 @@ class Request:
         self.status, self.finish_reason, self.error = status, reason, error
 
     def to_output(self) -> GenerationOutput:
+        """A snapshot of the request; `new_tokens` holds what was generated since the previous snapshot."""
+        generated = self.generated_tokens
+        new_tokens = generated[self.num_reported_tokens:]
+        self.num_reported_tokens = len(generated)
         return GenerationOutput(
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
-            generated_tokens=self.generated_tokens,
+            generated_tokens=generated,
             logprobs=list(self.logprobs) if self.params.logprobs else None,
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
             created_time=self.created_time,
             timestamps=list(self.timestamps) if self.record_timestamps else None,
+            new_tokens=new_tokens,
         )
