@@ -55,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated subset of contbatch,transformers,static")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
     _add_engine_flags(bench)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="reject larger request bodies (413)")
+    serve.add_argument("--max-queue-size", type=int, default=0, help="bound on waiting requests (0: none)")
+    serve.add_argument("--continuous-batching", action="store_true",
+                       help="accepted for compatibility with `transformers serve`; always on")
+    _add_engine_flags(serve)
     return parser
 
 
@@ -62,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    commands = {"generate": _generate, "bench": _bench, "serve": _serve}
     try:
-        return _generate(args) if args.command == "generate" else _bench(args)
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"contbatch {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -136,6 +147,26 @@ def _bench(args: argparse.Namespace) -> int:
     print("\n" + table)
     if args.output:
         Path(args.output).write_text(table + "\n")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from contbatch.embedded import load_model_and_tokenizer
+    from contbatch.manager import ContinuousBatchingManager
+    from contbatch.server.app import create_app
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    config = ContinuousBatchingConfig.from_sources(_engine_config(args), {"max_queue_size": args.max_queue_size})
+    name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+    manager = ContinuousBatchingManager(model, model.generation_config, config)
+    manager.start()
+    try:
+        uvicorn.run(create_app(manager, tokenizer, name, args.api_key, args.max_body_bytes), host=args.host,
+                    port=args.port, log_level="info")
+    finally:
+        manager.stop()
     return 0
 
 

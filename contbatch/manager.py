@@ -49,6 +49,15 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine, published by the engine thread after each step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
 class ContinuousBatchingManager:
     """Continuous batching on a background thread that alone owns the engine; every other thread talks to it
     through queues, so every public method is thread safe.
@@ -80,6 +89,7 @@ class ContinuousBatchingManager:
         self._ids = itertools.count()
         self._room = threading.Condition()
         self._num_queued = 0
+        self.stats = EngineStats()
 
     def _new_engine(self) -> LLMEngine:
         engine = LLMEngine(self.model, self.generation_config, self.config)
@@ -230,6 +240,7 @@ class ContinuousBatchingManager:
                 produced = engine.step()
                 self._router.deliver([r.to_output() for r in produced if r.is_finished or r.request_id in streaming])
                 streaming.difference_update(r.request_id for r in produced if r.is_finished)
+                self.stats = _snapshot(engine)
                 self._release_admitted(unadmitted)
                 if not engine.has_unfinished_requests():
                     engine.check_integrity()
@@ -304,3 +315,9 @@ class ContinuousBatchingManager:
         self._engine.close()
         if not keep:
             self._engine = None
+
+
+def _snapshot(engine: LLMEngine) -> EngineStats:
+    pool = engine.block_pool
+    return EngineStats(len(engine.scheduler.running), len(engine.scheduler.waiting),
+                       1.0 - pool.num_free_blocks / pool.num_blocks)

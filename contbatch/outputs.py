@@ -36,6 +36,8 @@ class GenerationOutput:
         status: the request's status when this output was made.
         finish_reason: "stop" (an EOS token), "length" (max_new_tokens), "cancelled" or "error"; None while running.
         error: the error text of a FAILED request.
+        top_logprobs: for each generated token, the request's `top_logprobs` most likely tokens at that step as
+            (token id, log-probability), most likely first, when asked for.
         created_time: `time.time()` when the request was submitted.
         timestamps: `time.time()` at which each generated token was produced, when asked for.
         new_tokens: the tokens generated since this request's previous output (a streaming request gets an
@@ -46,6 +48,7 @@ class GenerationOutput:
     prompt_ids: list[int] = field(default_factory=list)
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None

@@ -8,7 +8,9 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-_OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_ids", "seed", "logprobs")
+_OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_ids", "seed", "logprobs",
+                "top_logprobs")
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class SamplingParams:
         seed: when set, the request samples from its own generator seeded with it, so its tokens do not
             depend on the rest of the batch.
         logprobs: record the log-probability (under the raw logits) of each chosen token.
+        top_logprobs: also record the `top_logprobs` most likely tokens at each step, with their
+            log-probabilities (0 to MAX_TOP_LOGPROBS; implies `logprobs`).
     """
 
     do_sample: bool = False
@@ -35,6 +39,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -49,6 +54,14 @@ class SamplingParams:
             _check_int("eos_token_id", token_id, minimum=0)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+        _check_int("top_logprobs", self.top_logprobs, minimum=0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def is_greedy(self) -> bool:

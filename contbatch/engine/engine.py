@@ -179,7 +179,12 @@ class LLMEngine:
                                            f"{type(error).__name__}: {error}")
             return self._retire(batch.requests)
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        produced = self.scheduler.update(batch, sampled.token_ids.tolist(), logprobs, time.time())
+        top = None
+        if sampled.top_logprobs is not None:
+            values, ids = sampled.top_logprobs
+            top = [list(zip(row_ids, row_values, strict=True))
+                   for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
+        produced = self.scheduler.update(batch, sampled.token_ids.tolist(), logprobs, time.time(), top)
         return self._retire(produced)
 
     def _retire(self, requests: list[Request]) -> list[Request]:

@@ -33,6 +33,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     timestamps: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -69,11 +70,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_token(self, token_id: int, logprob: float | None, now: float) -> None:
-        """Records a sampled token and finishes the request if it is an EOS token or the last one allowed."""
+    def append_token(self, token_id: int, logprob: float | None, now: float,
+                     top: list[tuple[int, float]] | None = None) -> None:
+        """Records a sampled token (with its logprob and the top alternatives when asked) and finishes the
+        request if it is an EOS token or the last one allowed."""
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
         if self.record_timestamps:
             self.timestamps.append(now)
         if token_id in self.params.eos_token_ids:
@@ -98,7 +103,8 @@ class Request:
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
             generated_tokens=generated,
-            logprobs=list(self.logprobs) if self.params.logprobs else None,
+            logprobs=list(self.logprobs) if self.params.wants_logprobs else None,
+            top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,

@@ -18,10 +18,13 @@ class SamplerOutput:
         token_ids: [N] int64 on CPU; row i is the token chosen for the request of logits row i.
         logprobs: [N] float32 on CPU, log_softmax of the raw logits (before temperature, top-k and top-p)
             at the chosen token, filled for every row; None when no row asked for logprobs.
+        top_logprobs: ([N, k] log-probabilities, [N, k] token ids) of each row's k most likely tokens, k the
+            largest `top_logprobs` asked for in the batch, on CPU; None when no row asked.
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
@@ -62,12 +65,17 @@ class Sampler:
             token_ids[rows] = _sample_rows(
                 logits.index_select(0, rows), [params[i] for i in sampled], [generators[i] for i in sampled]
             )
-        logprobs = None
-        if any(p.logprobs for p in params):
+        logprobs = top = None
+        if any(p.wants_logprobs for p in params):
             raw = logits.float()
+            normaliser = raw.logsumexp(dim=-1, keepdim=True)
             # logit - logsumexp equals log_softmax at the token without materialising a second [N, vocab].
-            logprobs = (raw.gather(1, token_ids[:, None]).squeeze(1) - raw.logsumexp(dim=-1)).cpu()
-        return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs)
+            logprobs = (raw.gather(1, token_ids[:, None]) - normaliser).squeeze(1).cpu()
+            k = max(p.top_logprobs for p in params)
+            if k:
+                values, ids = raw.topk(k, dim=-1)
+                top = ((values - normaliser).cpu(), ids.cpu())
+        return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs, top_logprobs=top)
 
 
 def _sample_rows(

@@ -110,11 +110,12 @@ class Scheduler:
             budget -= num_tokens
         return budget
 
-    def update(self, batch: SchedulerOutput, sampled: list[int], logprobs: list[float] | None,
-               now: float) -> list[Request]:
+    def update(self, batch: SchedulerOutput, sampled: list[int], logprobs: list[float] | None, now: float,
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> list[Request]:
         """Advances every request of `batch` by its scheduled tokens and appends the sampled tokens (one per
-        request that samples, in batch order). Returns the requests that produced a token, finished or not;
-        finished ones leave the running list and give back their blocks."""
+        request that samples, in batch order, with their logprobs and top alternatives when given). Returns the
+        requests that produced a token, finished or not; finished ones leave the running list and give back
+        their blocks."""
         produced: list[Request] = []
         sample_index = 0
         for index, request in enumerate(batch.requests):
@@ -123,8 +124,11 @@ class Scheduler:
             if not samples or request.is_finished:
                 sample_index += samples
                 continue
-            logprob = logprobs[sample_index] if logprobs is not None and request.params.logprobs else None
-            request.append_token(sampled[sample_index], logprob, now)
+            logprob = logprobs[sample_index] if logprobs is not None and request.params.wants_logprobs else None
+            top = None
+            if top_logprobs is not None and request.params.top_logprobs:
+                top = top_logprobs[sample_index][: request.params.top_logprobs]
+            request.append_token(sampled[sample_index], logprob, now, top)
             sample_index += 1
             produced.append(request)
         self._drop_finished()

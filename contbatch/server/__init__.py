@@ -1,0 +1,1 @@
+"""`contbatch serve`: an OpenAI-compatible HTTP server on a `ContinuousBatchingManager`."""
