@@ -30,8 +30,10 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generates for every prompt of `inputs` (lists of token ids) with continuous batching.
 
-    Returns `{request_id: GenerationOutput}` with ids "req_0", "req_1", ... in input order. A bad prompt does not
-    raise: its output comes back FAILED with `error` set, and the other requests complete. `kwargs` may hold
+    Returns `{request_id: GenerationOutput}` with ids "req_0", "req_1", ... in input order; with
+    `generation_config.num_return_sequences = n > 1`, prompt i gives "req_i_0" ... "req_i_<n-1>" (n samples
+    sharing the prompt's KV blocks). A bad prompt does not raise: its output comes back FAILED with `error` set,
+    and the other requests complete. `kwargs` may hold
     `max_new_tokens` and any `ContinuousBatchingConfig` field (which override `continuous_batching_config`);
     config fields carried by `generation_config` (as in transformers' older examples) are honoured when no
     `continuous_batching_config` is given. Runs on a `ContinuousBatchingManager`; with
@@ -69,15 +71,18 @@ def _manager_for(model: PreTrainedModel, generation_config: GenerationConfig,
 
 def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], max_new_tokens: int | None,
          record_timestamps: bool, progress_bar: bool) -> dict[str, GenerationOutput]:
-    request_ids = [f"req_{index}" for index in range(len(inputs))]
+    n = manager.generation_config.num_return_sequences or 1
+    prompt_ids = [f"req_{index}" for index in range(len(inputs))]
+    request_ids = prompt_ids if n == 1 else [f"{rid}_{j}" for rid in prompt_ids for j in range(n)]
     outputs: dict[str, GenerationOutput] = {}
     with tqdm(total=len(request_ids), desc="generate_batch", unit="req", disable=not progress_bar) as bar:
-        for request_id, prompt in zip(request_ids, inputs, strict=True):
+        for prompt_id, prompt in zip(prompt_ids, inputs, strict=True):
             try:
-                manager.add_request(prompt, request_id, max_new_tokens, record_timestamps=record_timestamps)
+                manager.add_request(prompt, prompt_id, max_new_tokens, record_timestamps=record_timestamps, n=n)
             except ValueError as error:
-                outputs[request_id] = _failed_output(request_id, prompt, str(error))
-                bar.update(1)
+                for request_id in [prompt_id] if n == 1 else [f"{prompt_id}_{j}" for j in range(n)]:
+                    outputs[request_id] = _failed_output(request_id, prompt, str(error))
+                    bar.update(1)
         start, generated = time.perf_counter(), 0
         while len(outputs) < len(request_ids):
             output = manager.get_result(timeout=1.0)

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="contbatch,transformers,static",
                        help="comma-separated subset of contbatch,transformers,static")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
+    bench.add_argument("--serve", action="store_true",
+                       help="benchmark OpenAI-compatible servers under a Poisson request load instead")
+    bench.add_argument("--rate", type=float, default=2.0, help="--serve: mean requests/s (inf: all at once)")
+    bench.add_argument("--peers", default="contbatch", help="--serve: comma-separated subset of contbatch,transformers")
+    bench.add_argument("--port-base", type=int, default=8100, help="--serve: the i-th peer listens on port-base + i")
+    bench.add_argument("--seed", type=int, default=0, help="--serve: seed of the arrival schedule")
     _add_engine_flags(bench)
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -116,6 +122,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        from contbatch import bench_serve
+
+        return bench_serve.run(args)
     from contbatch import bench
     from contbatch.datasets import chat_inputs, load_prompts
     from contbatch.embedded import load_model_and_tokenizer, resolve_model_dir

@@ -49,6 +49,10 @@ class _Stop:
     pass
 
 
+class _ResetPrefixCache:
+    pass
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine, published by the engine thread after each step."""
@@ -81,7 +85,7 @@ class ContinuousBatchingManager:
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.queue_timeout = queue_timeout
         self._engine: LLMEngine | None = self._new_engine()
-        self._inbox: queue.SimpleQueue[_Add | _Cancel | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Cancel | _Stop | _ResetPrefixCache] = queue.SimpleQueue()
         self._router = OutputRouter()
         self._thread: threading.Thread | None = None
         self._state = ManagerState.CREATED
@@ -113,6 +117,7 @@ class ContinuousBatchingManager:
         if self._engine is None:
             self._engine = self._new_engine()
         engine = self._engine
+        engine.check_weights()
         engine.model_runner.attach()
         self._state = ManagerState.RUNNING
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the engine thread inherits ours
@@ -158,24 +163,39 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        n: int = 1,
         **sampling: Any,
     ) -> str:
         """Submits a request; returns its id. A streaming request gets an output after every token, the others
         one final output. `sampling` overrides the generation config for this request (`do_sample`,
-        `temperature`, `top_k`, `top_p`, `seed`, `logprobs`). Raises ValueError for bad input or a duplicate
-        id, RuntimeError after `stop()` or when the queue stays full for `queue_timeout` seconds."""
+        `temperature`, `top_k`, `top_p`, `seed`, `logprobs`, `top_logprobs`).
+
+        With `n > 1`, n samples of the prompt run as requests `<id>_0` ... `<id>_<n-1>` (sample j seeded with
+        `seed + j` when a seed is given); they share the prompt's full KV blocks, computed once. Raises
+        ValueError for bad input or a duplicate id, RuntimeError after `stop()` or when the queue stays full for
+        `queue_timeout` seconds."""
         if self._state >= ManagerState.STOPPING:
             raise RuntimeError("the manager is stopped: call start() before adding requests")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
         request_id = f"req_{next(self._ids)}" if request_id is None else request_id
-        request = self.engine.make_request(input_ids, request_id, max_new_tokens, record_timestamps,
-                                           eos_token_id=eos_token_id, **sampling)
-        self._router.open(request_id)
+        seed = sampling.pop("seed", None)
+        ids = [request_id] if n == 1 else [f"{request_id}_{j}" for j in range(n)]
+        requests = [self.engine.make_request(input_ids, rid, max_new_tokens, record_timestamps,
+                                             eos_token_id=eos_token_id, seed=None if seed is None else seed + j,
+                                             **sampling) for j, rid in enumerate(ids)]
+        opened: list[str] = []
         try:
-            self._wait_for_room(request_id)
-        except RuntimeError:
-            self._router.discard(request_id)
+            for rid in ids:
+                self._router.open(rid)
+                opened.append(rid)
+                self._wait_for_room(rid)
+        except (ValueError, RuntimeError):
+            for rid in opened:
+                self._router.discard(rid)
             raise
-        self._inbox.put(_Add(request, streaming))
+        for request in requests:
+            self._inbox.put(_Add(request, streaming))
         return request_id
 
     def add_requests(self, inputs: Sequence[Sequence[int]], max_new_tokens: int | None = None,
@@ -183,6 +203,11 @@ class ContinuousBatchingManager:
         """`add_request` for each prompt, with generated ids; returns them in order."""
         return [self.add_request(prompt, None, max_new_tokens, streaming, record_timestamps, **sampling)
                 for prompt in inputs]
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (call it after changing the weights in place while the manager runs;
+        weight changes between sessions are detected by `start()`)."""
+        self._inbox.put(_ResetPrefixCache())
 
     def cancel_request(self, request_id: str) -> None:
         """Cancels a request: it gets a CANCELLED output with its tokens so far and its blocks are freed. An
@@ -271,6 +296,8 @@ class ContinuousBatchingManager:
                 unadmitted[command.request.request_id] = command.request
                 if command.streaming:
                     streaming.add(command.request.request_id)
+            elif isinstance(command, _ResetPrefixCache):
+                engine.reset_prefix_cache()
             else:
                 request = engine.cancel_request(command.request_id)
                 if request is not None:

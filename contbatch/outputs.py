@@ -42,6 +42,7 @@ class GenerationOutput:
         timestamps: `time.time()` at which each generated token was produced, when asked for.
         new_tokens: the tokens generated since this request's previous output (a streaming request gets an
             output per step; the concatenated `new_tokens` of its outputs equal the final `generated_tokens`).
+        num_cached_tokens: how many prompt tokens came from the prefix cache instead of being computed.
     """
 
     request_id: str
@@ -55,6 +56,7 @@ class GenerationOutput:
     created_time: float = 0.0
     timestamps: list[float] | None = None
     new_tokens: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def is_finished(self) -> bool:
         return self.status.is_finished

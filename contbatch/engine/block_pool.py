@@ -1,21 +1,26 @@
-"""`BlockPool`: the ref-counted KV-cache blocks and their free queue. Pure Python: no tensors here."""
+"""`BlockPool`: the ref-counted KV-cache blocks, their free queue and the prefix cache. Pure Python, no tensors."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
+
+BlockHash = bytes
 
 
 class BlockPool:
-    """Hands out block ids in `[0, num_blocks)` and takes them back.
+    """Hands out block ids in `[0, num_blocks)`, takes them back, and remembers which full blocks hold which
+    content (the prefix cache).
 
     Invariants (checked by `check_integrity`):
-      - every block is either in the free queue with ref count 0, or out of it with ref count >= 1;
-      - the free queue holds no block twice.
+      - every block is either free (ref count 0) or held (ref count >= 1), never both;
+      - a free block is in exactly one of the free queue (no content worth keeping) or the evictable set
+        (cached content nobody holds);
+      - `cached[h] == b` exactly when `block_hash[b] == h`.
 
-    Order: `allocate` takes blocks from the front of the free queue; `free` puts blocks whose ref count drops to
-    zero back at the front, last block first. The most recently freed blocks are therefore reused first, so the
-    memory the cache touches stays close to its peak use instead of cycling through every block.
+    Order: `allocate` takes plain free blocks first, from the front of the free queue, where `free` puts blocks
+    back (the most recently freed are reused first, keeping the touched memory close to its peak). Only when no
+    plain block is left does it evict cached blocks, least recently used first.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -24,30 +29,44 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[BlockHash, int] = {}
+        self._block_hash: dict[int, BlockHash] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: plain free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def is_whole(self) -> bool:
-        """True when every block is free: nothing is held, nothing leaked."""
-        return len(self._free) == self.num_blocks
+        """True when no block is held: nothing is in use and nothing leaked."""
+        return self.num_free_blocks == self.num_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Takes `num_blocks` free blocks, each with ref count 1. Raises RuntimeError when too few are free:
-        callers check `can_allocate` first."""
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} blocks, only {len(self._free)} free")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
+        """Takes `num_blocks` free blocks, each with ref count 1 and no cached content. Raises RuntimeError when
+        too few are free: callers check `can_allocate` first."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            if self._free:
+                block_id = self._free.popleft()
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                del self._cached[self._block_hash.pop(block_id)]
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -58,19 +77,57 @@ class BlockPool:
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drops one holder from each block; blocks nobody holds any more return to the free queue."""
+        """Drops one holder from each block. A block nobody holds any more becomes evictable if its content is
+        cached (most recently used last), else returns to the front of the free queue."""
         for block_id in block_ids:
             count = self._ref_counts[block_id]
             if count < 1:
                 raise RuntimeError(f"block {block_id} freed more often than it was held")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                self._free.appendleft(block_id)
+                if block_id in self._block_hash:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.appendleft(block_id)
+
+    # --- prefix cache -----------------------------------------------------------------------------------------
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block holding content `block_hash`, if cached."""
+        return self._cached.get(block_hash)
+
+    def take_cached(self, block_id: int) -> None:
+        """Adds a holder to a cached block, taking it out of the evictable set if nobody held it."""
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
+        """Records that held block `block_id` is full and holds content `block_hash`. A block whose content is
+        already cached elsewhere stays uncached (the first copy serves later requests)."""
+        if block_hash not in self._cached and block_id not in self._block_hash:
+            self._cached[block_hash] = block_id
+            self._block_hash[block_id] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached content (e.g. after the weights changed): evictable blocks become plain free
+        blocks and held blocks stop being shareable."""
+        for block_id in self._evictable:
+            self._free.appendleft(block_id)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_hash.clear()
 
     def check_integrity(self) -> None:
         """Raises AssertionError if an invariant is broken (a bookkeeping bug, never a user error)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is in the free queue twice"
+        assert not free & set(self._evictable), "a block is both free and evictable"
         for block_id, count in enumerate(self._ref_counts):
+            unused = block_id in free or block_id in self._evictable
             assert count >= 0, f"block {block_id} has ref count {count}"
-            assert (count == 0) == (block_id in free), f"block {block_id}: ref count {count}, free={block_id in free}"
+            assert (count == 0) == unused, f"block {block_id}: ref count {count}, unused={unused}"
+        for block_id in self._evictable:
+            assert block_id in self._block_hash, f"evictable block {block_id} has no cached content"
+        assert all(self._block_hash[b] == h for h, b in self._cached.items()), "cache maps disagree"
+        assert len(self._cached) == len(self._block_hash), "cache maps disagree"

@@ -50,7 +50,8 @@ class LLMEngine:
         self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device)
         self.block_pool = BlockPool(num_blocks)
         self.kv_manager = KVCacheManager(
-            self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0
+            self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0,
+            enable_caching=self.config.allow_block_sharing,
         )
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
@@ -62,6 +63,9 @@ class LLMEngine:
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
+        self.model = model
+        self._weights = weights_fingerprint(model)
+        self.num_scheduled_tokens_total = 0
 
     def close(self) -> None:
         """Restores the model's own attention implementation."""
@@ -168,6 +172,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self.num_scheduled_tokens_total += batch.total_num_scheduled_tokens
         try:
             logits = self.model_runner.execute(batch, self.kv_manager)
             sampling = batch.sampling_requests
@@ -193,8 +198,33 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
         return requests
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix: nothing computed so far is shared with later requests."""
+        self.kv_manager.reset_prefix_cache()
+
+    def check_weights(self) -> bool:
+        """Resets the prefix cache if the model's weights changed since the last check (KV computed with the
+        old weights must never be reused). Returns whether they changed."""
+        weights = weights_fingerprint(self.model)
+        changed = weights != self._weights
+        if changed:
+            self.reset_prefix_cache()
+            self._weights = weights
+        return changed
+
     def check_integrity(self) -> None:
         """Cache bookkeeping invariants; call when idle to also check that nothing leaked."""
         self.kv_manager.check_integrity()
         if not self.has_unfinished_requests():
             assert self.block_pool.is_whole, "blocks leaked: the pool is not whole while the engine is idle"
+
+
+def weights_fingerprint(model: PreTrainedModel) -> tuple[tuple[int, int], ...]:
+    """Identifies the current weights: each parameter's storage, its in-place version counter (bumped by
+    optimizer steps and `load_state_dict`), and a checksum of a few of its values (which also catches writes
+    through `.data`, which bypass the version counter)."""
+    parameters = list(model.parameters())
+    with torch.no_grad():
+        samples = torch.stack([p.reshape(-1)[:: max(1, p.numel() // 8)][:8].float().sum() for p in parameters])
+    checksums = samples.tolist()
+    return tuple((p.data_ptr(), p._version, hash(c)) for p, c in zip(parameters, checksums, strict=True))

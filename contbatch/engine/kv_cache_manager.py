@@ -1,23 +1,45 @@
-"""`KVCacheManager`: which blocks each request holds (its block table)."""
+"""`KVCacheManager`: which blocks each request holds (its block table), and the prefix cache over them."""
 
 from __future__ import annotations
 
-from contbatch.engine.block_pool import BlockPool
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from contbatch.engine.block_pool import BlockHash, BlockPool
+from contbatch.engine.request import Request
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The content hash of a full block: its tokens chained to the hash of everything before it, so equal
+    hashes mean equal prefixes, not just equal blocks."""
+    digest = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        digest.update(parent)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class KVCacheManager:
-    """Per-request block tables over one `BlockPool`.
+    """Per-request block tables over one `BlockPool`, with prefix caching.
 
     A request holding `n` blocks can keep `n * block_size` tokens; token `i` of a request lives in block
-    `block_table[i // block_size]` at offset `i % block_size`. The manager returns plain block ids and hides the
-    pool; it never decides *who* gets memory (that is the scheduler's job), only whether an allocation fits.
+    `block_table[i // block_size]` at offset `i % block_size`. With caching on, every block a request fills
+    is registered under the hash of its prefix once computed; a new request starts with the longest computed
+    prefix of its tokens found in the cache (shared, ref-counted blocks) and computes only the rest. The manager
+    returns plain block ids and hides the pool; it never decides *who* gets memory (that is the scheduler's
+    job), only whether an allocation fits.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, max_blocks_per_request: int = 0) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, max_blocks_per_request: int = 0,
+                 enable_caching: bool = False) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_blocks_per_request = max_blocks_per_request or pool.num_blocks
+        self.enable_caching = enable_caching
         self._tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+        self._pending: dict[BlockHash, str] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,10 +57,13 @@ class KVCacheManager:
         needed = -(-num_tokens // self.block_size)
         return max(0, needed - len(self._tables.get(request_id, ())))
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        needed = self.num_new_blocks(request_id, num_tokens)
-        held = len(self._tables.get(request_id, ()))
-        return held + needed <= self.max_blocks_per_request and self.pool.can_allocate(needed)
+    def can_allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether `request_id` can hold `num_tokens` tokens, starting from the cached blocks `prefix` when it
+        holds nothing yet (taking an unheld cached block uses up one free block too)."""
+        held = len(self._tables.get(request_id, ())) or len(prefix)
+        needed = max(0, -(-num_tokens // self.block_size) - held)
+        unheld_prefix = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
+        return held + needed <= self.max_blocks_per_request and self.pool.can_allocate(needed + unheld_prefix)
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> None:
         """Grows `request_id`'s table to hold `num_tokens` tokens in all. Precondition: `can_allocate`."""
@@ -46,9 +71,79 @@ class KVCacheManager:
         if needed:
             self._tables.setdefault(request_id, []).extend(self.pool.allocate(needed))
 
+    # --- prefix caching ----------------------------------------------------------------------------------------
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The blocks of the longest cached prefix of `request`'s tokens, leaving at least its last token to be
+        computed (its logits are needed)."""
+        if not self.enable_caching:
+            return []
+        blocks = []
+        for block_hash in self._hashes(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def is_being_computed(self, request: Request, num_cached_blocks: int) -> bool:
+        """True when the first block `request` would compute is being computed right now by another running
+        request: waiting a step or two then shares it instead of computing it twice."""
+        if not self.enable_caching or num_cached_blocks >= (request.num_tokens - 1) // self.block_size:
+            return False
+        owner = self._pending.get(self._hashes(request, num_cached_blocks + 1)[num_cached_blocks])
+        return owner is not None and owner != request.request_id
+
+    def start_with_prefix(self, request: Request, prefix: Sequence[int]) -> None:
+        """Gives `request` (holding nothing yet) the cached blocks `prefix`, and marks the full blocks it will
+        compute as pending so that requests with the same prefix wait for them."""
+        for block_id in prefix:
+            self.pool.take_cached(block_id)
+        self._tables[request.request_id] = list(prefix)
+        self._num_registered[request.request_id] = len(prefix)
+        if self.enable_caching:
+            for block_hash in self._hashes(request, request.num_tokens // self.block_size)[len(prefix):]:
+                self._pending.setdefault(block_hash, request.request_id)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Registers the blocks `request` has filled and computed since the last call."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request.request_id, [])
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(request.request_id, 0)
+        for index, block_hash in enumerate(self._hashes(request, full)[start:], start):
+            self.pool.cache(table[index], block_hash)
+            if self._pending.get(block_hash) == request.request_id:
+                del self._pending[block_hash]
+        self._num_registered[request.request_id] = max(start, full)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets all cached content: nothing computed so far will be shared again."""
+        self.pool.reset_prefix_cache()
+        self._pending.clear()
+        for request_id in self._num_registered:
+            self._num_registered[request_id] = len(self._tables.get(request_id, ()))
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of `request`'s first `num_blocks` full blocks (computed once, then reused)."""
+        hashes = request.block_hashes
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     request.token_ids[index * size:(index + 1) * size]))
+        return hashes[:num_blocks]
+
+    # ------------------------------------------------------------------------------------------------------------
+
     def free(self, request_id: str) -> None:
         """Returns all of `request_id`'s blocks to the pool (last block first). Unknown ids are ignored."""
         table = self._tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        if self._pending:
+            for block_hash in [h for h, owner in self._pending.items() if owner == request_id]:
+                del self._pending[block_hash]
         if table:
             self.pool.free(reversed(table))
 

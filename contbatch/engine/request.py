@@ -40,6 +40,8 @@ class Request:
     created_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
     num_reported_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -111,4 +113,5 @@ class Request:
             created_time=self.created_time,
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             new_tokens=new_tokens,
+            num_cached_tokens=self.num_cached_tokens,
         )

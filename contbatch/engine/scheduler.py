@@ -96,14 +96,24 @@ class Scheduler:
 
     def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> int:
         """Admits waiting requests in order while the budget and the free blocks allow (head-of-line: a request
-        that does not fit yet stops admission, so arrival order is kept)."""
+        that does not fit yet stops admission, so arrival order is kept). A request starts from its longest
+        cached prefix; one whose next block another request is computing right now waits to share it."""
+        kv = self.kv_manager
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_manager.can_allocate(request.request_id, num_tokens):
+            prefix = kv.cached_prefix(request)
+            if kv.is_being_computed(request, len(prefix)):
+                break
+            num_cached = len(prefix) * kv.block_size
+            num_tokens = min(request.num_tokens - num_cached, budget)
+            if not kv.can_allocate(request.request_id, num_cached + num_tokens, prefix):
                 break
             self.waiting.popleft()
-            self.kv_manager.allocate_slots(request.request_id, num_tokens)
+            kv.start_with_prefix(request, prefix)
+            kv.allocate_slots(request.request_id, num_cached + num_tokens)
+            request.num_computed_tokens = num_cached
+            if request.num_generated_tokens == 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
             batch.add(request, num_tokens)
@@ -121,6 +131,7 @@ class Scheduler:
         for index, request in enumerate(batch.requests):
             samples = batch.sampling[index]
             request.num_computed_tokens += batch.num_scheduled_tokens[index]
+            self.kv_manager.cache_computed_blocks(request)
             if not samples or request.is_finished:
                 sample_index += samples
                 continue

@@ -1,0 +1,434 @@
+"""`contbatch bench --serve`: an online load benchmark of OpenAI-compatible servers on 127.0.0.1.
+
+Each peer (`contbatch serve`, `transformers serve --continuous-batching`) is started as a subprocess, warmed up
+with one request, then sent the first N GSM8K questions as streaming chat requests at Poisson arrival times.
+Per request it records the time to first token (TTFT: from sending the request to the first chunk with
+non-empty content), the inter-token latencies (ITL: gaps between consecutive content chunks, so a chunk
+carrying several tokens counts as one gap) and the completion tokens the server reports in its usage chunk.
+Traffic only ever goes to 127.0.0.1, and every server started here is stopped before its peer's run returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HOST = "127.0.0.1"
+PEERS = ("contbatch", "transformers")
+READY_TIMEOUT_S = 180.0
+REQUEST_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 15.0
+WARMUP_TOKENS = 4
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer cannot be benchmarked here (missing dependency, port in use, server died or never got ready)."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Return the `q`-th percentile (0 <= q <= 100) of `values`, interpolating linearly between closest ranks.
+
+    Matches numpy's default ("linear") method. Raises ValueError on an empty sequence or q outside [0, 100].
+    """
+    if not values or not 0 <= q <= 100:
+        raise ValueError(f"need a non-empty sequence and 0 <= q <= 100, got {len(values)} values, q={q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def poisson_schedule(n: int, rate: float, seed: int) -> list[float]:
+    """Return `n` arrival offsets in seconds: the first at 0, then gaps drawn from Exp(`rate`).
+
+    The draws come from `random.Random(seed)`, so a (n, rate, seed) triple always gives the same schedule;
+    `rate=inf` sends everything at 0. Raises ValueError if n < 0 or rate <= 0 (or NaN).
+    """
+    if n < 0 or not rate > 0:
+        raise ValueError(f"need n >= 0 and rate > 0 requests/s, got n={n}, rate={rate}")
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) if math.isfinite(rate) else 0.0 for _ in range(n - 1)]
+    return list(itertools.accumulate(gaps, initial=0.0)) if n else []
+
+
+class SSEParser:
+    """Incremental parser of a `text/event-stream` body.
+
+    `feed(chunk)` accepts the body in arbitrary byte chunks (split anywhere, even inside a UTF-8 character or
+    a CRLF) and returns the data of each event completed by that chunk, in order; an event's `data:` lines are
+    joined with "\\n". Comments, other fields and events without data are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        events: list[str] = []
+        for raw in lines:
+            line = raw.removesuffix(b"\r").decode("utf-8", errors="replace")
+            if not line:
+                if self._data:
+                    events.append("\n".join(self._data))
+                self._data = []
+            elif line.startswith("data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(" ") else value)
+        return events
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome; `ok` is True iff `error` is None. Times are in seconds."""
+
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class StreamRecorder:
+    """Turns one streamed response's SSE event data into a `RequestResult`.
+
+    Call `on_event(data, t)` for each event in arrival order with the `time.perf_counter()` value at which its
+    bytes arrived, then `finish()`. A stream is ok iff it carried no error event and ended with `[DONE]` or
+    after a chunk with a `finish_reason` (`transformers serve` 5.23 closes its streams without `[DONE]`).
+    Completion tokens come from the last usage object; without one, the number of content chunks stands in.
+    """
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.content_times: list[float] = []
+        self.usage_tokens: int | None = None
+        self.done = False  # saw [DONE] or a finish_reason
+        self.error: str | None = None
+
+    def on_event(self, data: str, now: float) -> None:
+        if data == "[DONE]":
+            self.done = True
+            return
+        try:
+            payload = json.loads(data)
+        except json.JSONDecodeError:
+            payload = None
+        if not isinstance(payload, dict):
+            self.error = self.error or f"unparsable event: {data[:80]!r}"
+            return
+        if "error" in payload:
+            detail = payload["error"]
+            self.error = self.error or str(detail.get("message", detail) if isinstance(detail, dict) else detail)
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_tokens = usage["completion_tokens"]
+        choices = [choice for choice in payload.get("choices") or [] if isinstance(choice, dict)]
+        if any(_has_content(choice) for choice in choices):
+            self.content_times.append(now)
+        self.done = self.done or any(choice.get("finish_reason") for choice in choices)
+
+    def fail(self, message: str) -> RequestResult:
+        return RequestResult(error=message)
+
+    def finish(self) -> RequestResult:
+        error = self.error or (None if self.done else "stream ended without [DONE] or a finish_reason")
+        times = self.content_times
+        return RequestResult(
+            ttft_s=times[0] - self.start if times else None,
+            itl_s=[later - earlier for earlier, later in itertools.pairwise(times)],
+            completion_tokens=self.usage_tokens if self.usage_tokens is not None else len(times), error=error)
+
+
+def _has_content(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    # Chat chunks carry `delta.content`; legacy completion chunks carry `text`.
+    return bool(delta.get("content") if isinstance(delta, dict) else choice.get("text"))
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> RequestResult:
+    """POST `payload` to `url` as a streaming request and time its chunks; never raises on HTTP failures."""
+    recorder = StreamRecorder(time.perf_counter())
+    parser = SSEParser()
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", errors="replace")
+                return recorder.fail(f"HTTP {response.status_code}: {body[:200]}")
+            async for chunk in response.aiter_bytes():
+                now = time.perf_counter()
+                for data in parser.feed(chunk):
+                    recorder.on_event(data, now)
+    except httpx.HTTPError as error:
+        return recorder.fail(f"{type(error).__name__}: {error}")
+    return recorder.finish()
+
+
+def chat_payload(model: str, question: str, max_tokens: int) -> dict[str, Any]:
+    """The benchmark's request body: one user turn, greedy, streamed with a usage chunk."""
+    return {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _client(concurrency: int) -> httpx.AsyncClient:
+    # trust_env=False: a proxy from the environment must never see loopback benchmark traffic. The pool must
+    # hold every in-flight request, or requests would queue client-side and inflate TTFT.
+    limits = httpx.Limits(max_connections=max(concurrency, 1), max_keepalive_connections=max(concurrency, 1))
+    return httpx.AsyncClient(trust_env=False, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
+
+
+async def run_load(base_url: str, model: str, questions: Sequence[str], max_tokens: int,
+                   schedule: Sequence[float]) -> tuple[list[RequestResult], float]:
+    """Send one chat request per question at `schedule` offsets; return the results (in question order) and
+    the seconds from the first scheduled arrival to the last completion."""
+    url = f"{base_url}/v1/chat/completions"
+    async with _client(len(questions)) as client:
+        start = time.perf_counter()
+
+        async def one(question: str, offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            return await stream_request(client, url, chat_payload(model, question, max_tokens))
+
+        results = await asyncio.gather(*(one(q, o) for q, o in zip(questions, schedule, strict=True)))
+        return list(results), time.perf_counter() - start
+
+
+@dataclass
+class PeerSpec:
+    """How to start one peer: its command and environment, and its model id (None: ask GET /v1/models)."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    model_id: str | None
+
+
+def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
+    """Build the server command of peer `name` on 127.0.0.1:`port`, forwarding the engine flags given.
+
+    Raises:
+        PeerUnavailable: transformers' serving dependencies are missing, or the model is not local.
+    """
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    cache_flags = ("block_size", "num_blocks", "max_batch_tokens")
+    if name == "contbatch":
+        command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
+                   "--scheduler", args.scheduler, *_given(args, ("model", "threads", *cache_flags), "--")]
+        return PeerSpec(name, command, env, None)
+    from transformers.utils.import_utils import is_serve_available
+
+    from contbatch.embedded import resolve_model_dir
+
+    if not is_serve_available():
+        raise PeerUnavailable("`transformers serve` needs fastapi, uvicorn, pydantic and openai "
+                              "(pip install 'transformers[serving]')")
+    try:
+        model_dir = str(resolve_model_dir(args.model))
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        raise PeerUnavailable(f"no local model directory for `transformers serve`: {error}") from error
+    # Offline: a model that is not local must fail fast instead of being fetched from the hub.
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--continuous-batching",
+               "--host", HOST, "--port", str(port), "--log-level", "warning", *_given(args, cache_flags, "--cb-")]
+    # The server is pinned to `model_dir` and rejects any other model id.
+    return PeerSpec(name, command, env, model_dir)
+
+
+def _given(args: argparse.Namespace, names: Sequence[str], prefix: str) -> list[str]:
+    """The `PREFIXname value` pairs of the flags in `names` that were given (are not None)."""
+    return [arg for name in names if getattr(args, name) is not None
+            for arg in (prefix + name.replace("_", "-"), str(getattr(args, name)))]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe, suppress(OSError):
+        probe.bind((HOST, port))
+        return True
+    return False
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Stop `process` and its process group: SIGTERM, then SIGKILL after `timeout` s; returns once reaped."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def server_process(spec: PeerSpec, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `spec.command` with its output in `log_path`; it is stopped on exit, whatever the exit."""
+    with open(log_path, "wb") as log:
+        # A session of its own: Ctrl-C reaches only us, and stop_process can signal the server's whole group.
+        process = subprocess.Popen(spec.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   env=spec.env, start_new_session=True)
+        try:
+            yield process
+        finally:
+            stop_process(process)
+
+
+def wait_ready(process: subprocess.Popen[bytes], base_url: str, timeout: float = READY_TIMEOUT_S) -> None:
+    """Poll GET /health until it answers 200. Raises PeerUnavailable if the server exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise PeerUnavailable(f"the server exited with status {process.returncode} before it was ready")
+            try:
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.25)
+    raise PeerUnavailable(f"the server was not ready within {timeout:.0f} s")
+
+
+def _served_model(base_url: str) -> str:
+    with httpx.Client(trust_env=False, timeout=10.0) as client:
+        response = client.get(f"{base_url}/v1/models")
+    if response.status_code != 200 or not response.json().get("data"):
+        raise PeerUnavailable(f"GET /v1/models answered {response.status_code}: {response.text[:200]}")
+    return str(response.json()["data"][0]["id"])
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+@dataclass
+class RunSummary:
+    """One peer's measured run: its per-request results and the run's duration in seconds."""
+
+    engine: str
+    results: list[RequestResult]
+    duration_s: float
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [result for result in self.results if result.ok]
+
+
+def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequence[str],
+               schedule: Sequence[float]) -> RunSummary:
+    """Start peer `name` on `port`, wait for it, warm it up, run the load, stop it (also on errors).
+
+    Raises:
+        PeerUnavailable: the peer cannot run here or failed before the measured run (the reason includes the
+            tail of the server's log where there is one).
+    """
+    if not _port_free(port):
+        raise PeerUnavailable(f"port {port} on {HOST} is already in use")
+    spec = peer_spec(name, args, port)
+    base_url = f"http://{HOST}:{port}"
+    with tempfile.TemporaryDirectory(prefix="contbatch-bench-") as logs:
+        log_path = Path(logs) / f"{name}.log"
+        with server_process(spec, log_path) as process:
+            try:
+                wait_ready(process, base_url)
+                model = spec.model_id or _served_model(base_url)
+                # One short request, so that lazy initialisation does not land in the measured run.
+                warm = asyncio.run(run_load(base_url, model, questions[:1], WARMUP_TOKENS, [0.0]))[0][0]
+                if not warm.ok:
+                    raise PeerUnavailable(f"the warm-up request failed: {warm.error}")
+            except PeerUnavailable as error:
+                raise PeerUnavailable(f"{error}; server log tail:\n{_log_tail(log_path)}") from error
+            results, duration = asyncio.run(run_load(base_url, model, questions, args.max_new_tokens, schedule))
+    return RunSummary(name, results, duration)
+
+
+def _pair_ms(values: Sequence[float]) -> str:
+    return f"{percentile(values, 50) * 1e3:.1f} / {percentile(values, 99) * 1e3:.1f}" if values else "-"
+
+
+def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int, max_tokens: int,
+                 skipped: Sequence[tuple[str, str]] = ()) -> str:
+    """Render the runs as a markdown table under a workload line; then a line per skipped peer and per peer
+    with failed requests. Throughputs count only ok requests; ITL percentiles pool every ok request's gaps."""
+    lines = [f"rate {rate:g} req/s (Poisson arrivals), N={num_prompts} prompts, M={max_tokens} max tokens", "",
+             "| engine | requests ok / total | duration s | output tok/s | requests/s | TTFT p50 / p99 (ms) "
+             "| ITL p50 / p99 (ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    notes: list[str] = []
+    for run in summaries:
+        ok = run.ok
+        tokens = sum(result.completion_tokens for result in ok)
+        ttft = [result.ttft_s for result in ok if result.ttft_s is not None]
+        itl = [gap for result in ok for gap in result.itl_s]
+        lines.append(f"| {run.engine} | {len(ok)} / {len(run.results)} | {run.duration_s:.2f} "
+                     f"| {tokens / run.duration_s:.1f} | {len(ok) / run.duration_s:.2f} | {_pair_ms(ttft)} "
+                     f"| {_pair_ms(itl)} |")
+        failed = [result.error for result in run.results if not result.ok]
+        if failed:
+            notes.append(f"{run.engine}: {len(failed)} failed request(s); first error: {failed[0]}")
+    notes += [f"{name}: skipped: {reason.splitlines()[0]}" for name, reason in skipped]
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _peers(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown or not names:
+        raise ValueError(f"--peers: unknown peer(s) {unknown}; choose among {','.join(PEERS)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `contbatch bench --serve` command: benchmark each peer in turn, print (and write) the table.
+
+    Returns 0 when at least one peer ran, else 1. Raises ValueError on invalid flags.
+    """
+    from contbatch.datasets import load_prompts
+
+    names = _peers(args.peers)
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    questions = load_prompts(limit=args.num_prompts)
+    schedule = poisson_schedule(len(questions), args.rate, args.seed)
+    print(f"workload: {len(questions)} GSM8K questions, max_tokens={args.max_new_tokens}, greedy, "
+          f"Poisson arrivals at {args.rate:g} req/s (seed {args.seed}); {os.cpu_count()} CPUs", flush=True)
+    summaries: list[RunSummary] = []
+    skipped: list[tuple[str, str]] = []
+    for index, name in enumerate(names):
+        started = time.perf_counter()
+        try:
+            summary = bench_peer(name, args, args.port_base + index, questions, schedule)
+        except PeerUnavailable as error:
+            print(f"  {name}: skipped: {error}", flush=True)
+            skipped.append((name, str(error)))
+            continue
+        summaries.append(summary)
+        print(f"  {name}: {len(summary.ok)}/{len(summary.results)} ok in {summary.duration_s:.1f} s "
+              f"({time.perf_counter() - started:.1f} s with start-up)", flush=True)
+    table = format_table(summaries, args.rate, len(questions), args.max_new_tokens, skipped)
+    print("\n" + table)
+    if args.output:
+        Path(args.output).write_text(table + "\n")
+    return 0 if summaries else 1
