@@ -37,6 +37,7 @@ READY_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
 WARMUP_TOKENS = 4
+BENCH_MODEL_ID = "bench-model"  # what the contbatch peer serves its model as
 
 
 class PeerUnavailable(RuntimeError):
@@ -45,9 +46,7 @@ class PeerUnavailable(RuntimeError):
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Return the `q`-th percentile (0 <= q <= 100) of `values`, interpolating linearly between closest ranks.
-
-    Matches numpy's default ("linear") method. Raises ValueError on an empty sequence or q outside [0, 100].
-    """
+    Matches numpy's default ("linear") method. Raises ValueError on an empty sequence or q outside [0, 100]."""
     if not values or not 0 <= q <= 100:
         raise ValueError(f"need a non-empty sequence and 0 <= q <= 100, got {len(values)} values, q={q}")
     ordered = sorted(values)
@@ -61,8 +60,7 @@ def poisson_schedule(n: int, rate: float, seed: int) -> list[float]:
     """Return `n` arrival offsets in seconds: the first at 0, then gaps drawn from Exp(`rate`).
 
     The draws come from `random.Random(seed)`, so a (n, rate, seed) triple always gives the same schedule;
-    `rate=inf` sends everything at 0. Raises ValueError if n < 0 or rate <= 0 (or NaN).
-    """
+    `rate=inf` sends everything at 0. Raises ValueError if n < 0 or rate <= 0 (or NaN)."""
     if n < 0 or not rate > 0:
         raise ValueError(f"need n >= 0 and rate > 0 requests/s, got n={n}, rate={rate}")
     rng = random.Random(seed)
@@ -71,12 +69,11 @@ def poisson_schedule(n: int, rate: float, seed: int) -> list[float]:
 
 
 class SSEParser:
-    """Incremental parser of a `text/event-stream` body.
+    """Incremental parser of a `text/event-stream` body with LF or CRLF line ends.
 
-    `feed(chunk)` accepts the body in arbitrary byte chunks (split anywhere, even inside a UTF-8 character or
-    a CRLF) and returns the data of each event completed by that chunk, in order; an event's `data:` lines are
-    joined with "\\n". Comments, other fields and events without data are dropped.
-    """
+    `feed(chunk)` takes the body in byte chunks split anywhere (even inside a UTF-8 character or a CRLF) and
+    returns the data of each event completed by that chunk, in order, an event's `data:` lines joined with
+    "\\n". Comments, other fields and events without data are dropped."""
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -150,9 +147,6 @@ class StreamRecorder:
             self.content_times.append(now)
         self.done = self.done or any(choice.get("finish_reason") for choice in choices)
 
-    def fail(self, message: str) -> RequestResult:
-        return RequestResult(error=message)
-
     def finish(self) -> RequestResult:
         error = self.error or (None if self.done else "stream ended without [DONE] or a finish_reason")
         times = self.content_times
@@ -176,13 +170,13 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
         async with client.stream("POST", url, json=payload) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", errors="replace")
-                return recorder.fail(f"HTTP {response.status_code}: {body[:200]}")
+                return RequestResult(error=f"HTTP {response.status_code}: {body[:200]}")
             async for chunk in response.aiter_bytes():
                 now = time.perf_counter()
                 for data in parser.feed(chunk):
                     recorder.on_event(data, now)
     except httpx.HTTPError as error:
-        return recorder.fail(f"{type(error).__name__}: {error}")
+        return RequestResult(error=f"{type(error).__name__}: {error}")
     return recorder.finish()
 
 
@@ -192,19 +186,15 @@ def chat_payload(model: str, question: str, max_tokens: int) -> dict[str, Any]:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def _client(concurrency: int) -> httpx.AsyncClient:
-    # trust_env=False: a proxy from the environment must never see loopback benchmark traffic. The pool must
-    # hold every in-flight request, or requests would queue client-side and inflate TTFT.
-    limits = httpx.Limits(max_connections=max(concurrency, 1), max_keepalive_connections=max(concurrency, 1))
-    return httpx.AsyncClient(trust_env=False, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
-
-
 async def run_load(base_url: str, model: str, questions: Sequence[str], max_tokens: int,
                    schedule: Sequence[float]) -> tuple[list[RequestResult], float]:
     """Send one chat request per question at `schedule` offsets; return the results (in question order) and
     the seconds from the first scheduled arrival to the last completion."""
     url = f"{base_url}/v1/chat/completions"
-    async with _client(len(questions)) as client:
+    # trust_env=False: a proxy from the environment must never see loopback benchmark traffic. The pool must
+    # hold every in-flight request, or requests would queue client-side and inflate TTFT.
+    limits = httpx.Limits(max_connections=len(questions), max_keepalive_connections=len(questions))
+    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
         start = time.perf_counter()
 
         async def one(question: str, offset: float) -> RequestResult:
@@ -217,12 +207,12 @@ async def run_load(base_url: str, model: str, questions: Sequence[str], max_toke
 
 @dataclass
 class PeerSpec:
-    """How to start one peer: its command and environment, and its model id (None: ask GET /v1/models)."""
+    """How to start one peer: its command and environment, and the model id its requests must name."""
 
     name: str
     command: list[str]
     env: dict[str, str]
-    model_id: str | None
+    model: str
 
 
 def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
@@ -235,8 +225,9 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
     cache_flags = ("block_size", "num_blocks", "max_batch_tokens")
     if name == "contbatch":
         command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
-                   "--scheduler", args.scheduler, *_given(args, ("model", "threads", *cache_flags), "--")]
-        return PeerSpec(name, command, env, None)
+                   "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
+                   *_given(args, ("model", "threads", *cache_flags), "--")]
+        return PeerSpec(name, command, env, BENCH_MODEL_ID)
     from transformers.utils.import_utils import is_serve_available
 
     from contbatch.embedded import resolve_model_dir
@@ -274,11 +265,9 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
-        try:
+        with suppress(subprocess.TimeoutExpired):
             process.wait(timeout=timeout)
             return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @contextmanager
@@ -301,26 +290,11 @@ def wait_ready(process: subprocess.Popen[bytes], base_url: str, timeout: float =
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise PeerUnavailable(f"the server exited with status {process.returncode} before it was ready")
-            try:
+            with suppress(httpx.HTTPError):  # not listening yet
                 if client.get(f"{base_url}/health").status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass  # not listening yet
             time.sleep(0.25)
     raise PeerUnavailable(f"the server was not ready within {timeout:.0f} s")
-
-
-def _served_model(base_url: str) -> str:
-    with httpx.Client(trust_env=False, timeout=10.0) as client:
-        response = client.get(f"{base_url}/v1/models")
-    if response.status_code != 200 or not response.json().get("data"):
-        raise PeerUnavailable(f"GET /v1/models answered {response.status_code}: {response.text[:200]}")
-    return str(response.json()["data"][0]["id"])
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join("    " + line for line in text[-lines:])
 
 
 @dataclass
@@ -340,10 +314,8 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
                schedule: Sequence[float]) -> RunSummary:
     """Start peer `name` on `port`, wait for it, warm it up, run the load, stop it (also on errors).
 
-    Raises:
-        PeerUnavailable: the peer cannot run here or failed before the measured run (the reason includes the
-            tail of the server's log where there is one).
-    """
+    Raises PeerUnavailable when the peer cannot run here or fails before the measured run; the reason then
+    ends with the tail of the server's log."""
     if not _port_free(port):
         raise PeerUnavailable(f"port {port} on {HOST} is already in use")
     spec = peer_spec(name, args, port)
@@ -353,14 +325,15 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
         with server_process(spec, log_path) as process:
             try:
                 wait_ready(process, base_url)
-                model = spec.model_id or _served_model(base_url)
                 # One short request, so that lazy initialisation does not land in the measured run.
-                warm = asyncio.run(run_load(base_url, model, questions[:1], WARMUP_TOKENS, [0.0]))[0][0]
+                warm = asyncio.run(run_load(base_url, spec.model, questions[:1], WARMUP_TOKENS, [0.0]))[0][0]
                 if not warm.ok:
                     raise PeerUnavailable(f"the warm-up request failed: {warm.error}")
             except PeerUnavailable as error:
-                raise PeerUnavailable(f"{error}; server log tail:\n{_log_tail(log_path)}") from error
-            results, duration = asyncio.run(run_load(base_url, model, questions, args.max_new_tokens, schedule))
+                tail = "\n".join("    " + line for line in log_path.read_text(errors="replace").splitlines()[-15:])
+                raise PeerUnavailable(f"{error}; server log tail:\n{tail}") from error
+            load = run_load(base_url, spec.model, questions, args.max_new_tokens, schedule)
+            results, duration = asyncio.run(load)
     return RunSummary(name, results, duration)
 
 
@@ -392,22 +365,14 @@ def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int,
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def _peers(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(PEERS))
-    if unknown or not names:
-        raise ValueError(f"--peers: unknown peer(s) {unknown}; choose among {','.join(PEERS)}")
-    return names
-
-
 def run(args: argparse.Namespace) -> int:
     """The `contbatch bench --serve` command: benchmark each peer in turn, print (and write) the table.
-
-    Returns 0 when at least one peer ran, else 1. Raises ValueError on invalid flags.
-    """
+    Returns 0 when at least one peer ran, else 1. Raises ValueError on invalid flags."""
     from contbatch.datasets import load_prompts
 
-    names = _peers(args.peers)
+    names = [name.strip() for name in args.peers.split(",") if name.strip()]
+    if not names or set(names) - set(PEERS):
+        raise ValueError(f"--peers: {args.peers!r} is not a comma-separated subset of {','.join(PEERS)}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     questions = load_prompts(limit=args.num_prompts)

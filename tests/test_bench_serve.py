@@ -1,0 +1,178 @@
+"""`contbatch bench --serve`: its pure helpers, process handling, and one tiny run against a live server."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from contbatch import bench_serve
+from contbatch.bench_serve import (
+    PeerUnavailable,
+    RequestResult,
+    RunSummary,
+    SSEParser,
+    StreamRecorder,
+    format_table,
+    percentile,
+    poisson_schedule,
+)
+from contbatch.cli import build_parser
+
+
+def _chunk(payload: dict[str, object]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _delta(content: str | None, finish_reason: str | None = None) -> dict[str, object]:
+    delta = {} if content is None else {"content": content}
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+                                                             "finish_reason": finish_reason}]}
+
+
+# A stream as `contbatch serve` sends it: role chunk, content chunks (one non-ASCII), the finish chunk, a
+# usage chunk with no choices, [DONE].
+RECORDED = b"".join([
+    _chunk(_delta("")), _chunk(_delta("Natalia")), _chunk(_delta(" sold café")), _chunk(_delta(" 48")),
+    _chunk(_delta(None, "length")),
+    _chunk({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 4, "total_tokens": 44}}),
+    b"data: [DONE]\n\n",
+])
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 25) == pytest.approx(1.75)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+    values = [random.Random(3).uniform(0, 10) for _ in range(101)]
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    for bad_values, bad_q in (([], 50), ([1.0], -1), ([1.0], 101)):
+        with pytest.raises(ValueError):
+            percentile(bad_values, bad_q)
+
+
+def test_poisson_schedule_is_seeded_with_mean_gap_one_over_rate() -> None:
+    schedule = poisson_schedule(20_000, 4.0, seed=11)
+    assert schedule == poisson_schedule(20_000, 4.0, seed=11)
+    assert schedule != poisson_schedule(20_000, 4.0, seed=12)
+    assert schedule[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(schedule))
+    mean_gap = schedule[-1] / (len(schedule) - 1)
+    assert mean_gap == pytest.approx(0.25, rel=0.03)
+    assert poisson_schedule(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+    assert poisson_schedule(0, 1.0, seed=0) == []
+    for n, rate in ((-1, 1.0), (3, 0.0), (3, -2.0), (3, float("nan"))):
+        with pytest.raises(ValueError):
+            poisson_schedule(n, rate, seed=0)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, len(RECORDED)])
+def test_sse_parser_reassembles_events_split_anywhere(size: int) -> None:
+    parser = SSEParser()
+    events = [e for i in range(0, len(RECORDED), size) for e in parser.feed(RECORDED[i:i + size])]
+    assert len(events) == 7 and events[-1] == "[DONE]"
+    assert json.loads(events[2])["choices"][0]["delta"]["content"] == " sold café"
+
+
+def test_sse_parser_crlf_comments_and_multiline_data() -> None:
+    parser = SSEParser()
+    events = parser.feed(b": keep-alive\r\n\r\nevent: x\r\ndata: a\r\ndata:b\r") + parser.feed(b"\n\r\ndata: c")
+    assert events == ["a\nb"]
+    assert parser.feed(b"\n\n") == ["c"]
+
+
+def test_recorder_times_content_chunks_and_reads_usage() -> None:
+    recorder = StreamRecorder(start=10.0)
+    for time_s, data in zip((10.1, 10.3, 10.4, 10.6, 10.6, 10.6, 10.6), SSEParser().feed(RECORDED), strict=True):
+        recorder.on_event(data, time_s)
+    result = recorder.finish()
+    assert result.ok and result.completion_tokens == 4
+    assert result.ttft_s == pytest.approx(0.3)  # the empty role chunk is not a token
+    assert result.itl_s == pytest.approx([0.1, 0.2])
+
+
+def test_recorder_accepts_finish_without_done_and_flags_broken_streams() -> None:
+    finished = StreamRecorder(0.0)
+    for data in SSEParser().feed(_chunk(_delta("x")) + _chunk({**_delta(None, "stop"), "usage": {
+            "completion_tokens": 1}})):
+        finished.on_event(data, 1.0)
+    assert finished.finish().ok  # `transformers serve` ends its streams this way
+    truncated = StreamRecorder(0.0)
+    truncated.on_event(json.dumps(_delta("x")), 1.0)
+    assert "without [DONE]" in (truncated.finish().error or "")
+    failed = StreamRecorder(0.0)
+    failed.on_event(json.dumps({"error": {"message": "boom"}}), 1.0)
+    failed.on_event("[DONE]", 1.0)
+    assert failed.finish().error == "boom"
+
+
+def test_format_table_counts_only_ok_requests() -> None:
+    results = [RequestResult(ttft_s=0.1, itl_s=[0.02, 0.04], completion_tokens=3),
+               RequestResult(ttft_s=0.3, itl_s=[0.03], completion_tokens=5),
+               RequestResult(error="HTTP 503: busy")]
+    table = format_table([RunSummary("contbatch", results, 2.0)], 2.0, 3, 8, [("transformers", "no deps\nmore")])
+    assert "rate 2 req/s" in table and "N=3" in table and "M=8" in table
+    assert "| contbatch | 2 / 3 | 2.00 | 4.0 | 1.00 | 200.0 / 298.0 | 30.0 / 39.8 |" in table
+    assert "contbatch: 1 failed request(s); first error: HTTP 503: busy" in table
+    assert "transformers: skipped: no deps" in table and "more" not in table
+
+
+def _bench_args(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "--serve", *extra])
+
+
+def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
+    args = _bench_args("--block-size", "16", "--max-batch-tokens", "128", "--model", str(tmp_path))
+    contbatch = bench_serve.peer_spec("contbatch", args, 9001)
+    assert contbatch.command[:4] == [sys.executable, "-m", "contbatch.cli", "serve"]
+    joined = " ".join(contbatch.command)
+    assert "--port 9001" in joined and "--block-size 16" in joined and "--max-batch-tokens 128" in joined
+    assert "--num-blocks" not in joined
+    transformers = bench_serve.peer_spec("transformers", args, 9002)
+    joined = " ".join(transformers.command)
+    assert f"serve {tmp_path} --continuous-batching" in joined and "--cb-block-size 16" in joined
+    assert transformers.model == str(tmp_path) and transformers.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_stop_process_kills_a_server_that_ignores_sigterm() -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); " \
+           "time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    bench_serve.stop_process(process, timeout=0.5)
+    assert process.returncode == -9
+    process.stdout.close()
+
+
+def test_wait_ready_reports_a_server_that_exits() -> None:
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
+    with pytest.raises(PeerUnavailable, match="exited with status 3"):
+        bench_serve.wait_ready(process, "http://127.0.0.1:9", timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_end_to_end_against_a_contbatch_server() -> None:
+    from contbatch.datasets import load_prompts
+
+    port = _free_port()
+    args = _bench_args("--num-prompts", "3", "--max-new-tokens", "4", "--rate", "10", "--threads", "1")
+    summary = bench_serve.bench_peer("contbatch", args, port, load_prompts(limit=3), poisson_schedule(3, 10.0, 0))
+    assert [result.error for result in summary.results] == [None, None, None]
+    assert all(result.ttft_s is not None and result.ttft_s > 0 for result in summary.results)
+    assert all(1 <= result.completion_tokens <= 4 for result in summary.results)
+    assert summary.duration_s > 0
+    with socket.socket() as probe:  # the server is gone: its port can be bound again
+        probe.bind(("127.0.0.1", port))
