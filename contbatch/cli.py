@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="contbatch,transformers,static",
                        help="comma-separated subset of contbatch,transformers,static")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
+    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo"], default="throughput",
+                       help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
+                       "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
+                       "temperature 1.0, vs transformers' generate_batch")
+    bench.add_argument("--samples", type=int, default=8, help="--workload grpo: samples per prompt")
     bench.add_argument("--serve", action="store_true",
                        help="benchmark OpenAI-compatible servers under a Poisson request load instead")
     bench.add_argument("--rate", type=float, default=2.0, help="--serve: mean requests/s (inf: all at once)")
@@ -126,6 +131,8 @@ def _bench(args: argparse.Namespace) -> int:
         from contbatch import bench_serve
 
         return bench_serve.run(args)
+    if args.workload != "throughput":
+        return _bench_workload(args)
     from contbatch import bench
     from contbatch.datasets import chat_inputs, load_prompts
     from contbatch.embedded import load_model_and_tokenizer, resolve_model_dir
@@ -157,6 +164,38 @@ def _bench(args: argparse.Namespace) -> int:
     print("\n" + table)
     if args.output:
         Path(args.output).write_text(table + "\n")
+    return 0
+
+
+def _bench_workload(args: argparse.Namespace) -> int:
+    from contbatch import bench, bench_workloads
+    from contbatch.datasets import chat_inputs, load_prompts
+    from contbatch.embedded import load_model_and_tokenizer, resolve_model_dir
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    if args.workload == "prefix":
+        inputs = bench_workloads.shared_prefix_inputs(tokenizer, args.num_prompts)
+        runs = bench_workloads.run_prefix_caching(model, inputs, args.max_new_tokens, eos, _engine_config(args))
+        results = [result for result, _ in runs]
+        lines = [f"prompt tokens computed, {result.engine}: {computed} of {result.prompt_tokens}"
+                 for result, computed in runs]
+        title = (f"{len(inputs)} GSM8K prompts behind one system prompt ({sum(map(len, inputs))} prompt tokens), "
+                 f"greedy, max_new_tokens={args.max_new_tokens}")
+    else:
+        inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
+        peers = "transformers" in args.engines
+        results = bench_workloads.run_grpo(model, str(resolve_model_dir(args.model)), inputs, args.samples,
+                                           args.max_new_tokens, eos, _engine_config(args), peers)
+        lines = []
+        title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, temperature 1.0, "
+                 f"max_new_tokens={args.max_new_tokens}")
+    num_params = sum(parameter.numel() for parameter in model.parameters())
+    table = bench.format_table(results, results[0].engine, bench.measure_gemm_gflops(), num_params)
+    text = "\n".join([f"workload: {title}", "", table, "", *lines])
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
     return 0
 
 

@@ -40,6 +40,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self._pending: dict[BlockHash, str] = {}
+        self._owned: dict[str, list[BlockHash]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,8 +103,10 @@ class KVCacheManager:
         self._tables[request.request_id] = list(prefix)
         self._num_registered[request.request_id] = len(prefix)
         if self.enable_caching:
+            owned = self._owned.setdefault(request.request_id, [])
             for block_hash in self._hashes(request, request.num_tokens // self.block_size)[len(prefix):]:
-                self._pending.setdefault(block_hash, request.request_id)
+                if self._pending.setdefault(block_hash, request.request_id) == request.request_id:
+                    owned.append(block_hash)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Registers the blocks `request` has filled and computed since the last call."""
@@ -112,6 +115,8 @@ class KVCacheManager:
         table = self._tables.get(request.request_id, [])
         full = min(request.num_computed_tokens // self.block_size, len(table))
         start = self._num_registered.get(request.request_id, 0)
+        if full <= start:
+            return
         for index, block_hash in enumerate(self._hashes(request, full)[start:], start):
             self.pool.cache(table[index], block_hash)
             if self._pending.get(block_hash) == request.request_id:
@@ -122,6 +127,7 @@ class KVCacheManager:
         """Forgets all cached content: nothing computed so far will be shared again."""
         self.pool.reset_prefix_cache()
         self._pending.clear()
+        self._owned.clear()
         for request_id in self._num_registered:
             self._num_registered[request_id] = len(self._tables.get(request_id, ()))
 
@@ -141,8 +147,8 @@ class KVCacheManager:
         """Returns all of `request_id`'s blocks to the pool (last block first). Unknown ids are ignored."""
         table = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        if self._pending:
-            for block_hash in [h for h, owner in self._pending.items() if owner == request_id]:
+        for block_hash in self._owned.pop(request_id, ()):
+            if self._pending.get(block_hash) == request_id:
                 del self._pending[block_hash]
         if table:
             self.pool.free(reversed(table))

@@ -97,18 +97,21 @@ class Scheduler:
     def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> int:
         """Admits waiting requests in order while the budget and the free blocks allow (head-of-line: a request
         that does not fit yet stops admission, so arrival order is kept). A request starts from its longest
-        cached prefix; one whose next block another request is computing right now waits to share it."""
+        cached prefix; one whose next block another request is computing right now is skipped for this step,
+        to share that block once it is computed."""
         kv = self.kv_manager
+        deferred: list[Request] = []
         while self.waiting and budget > 0:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
             prefix = kv.cached_prefix(request)
             if kv.is_being_computed(request, len(prefix)):
-                break
+                deferred.append(request)
+                continue
             num_cached = len(prefix) * kv.block_size
             num_tokens = min(request.num_tokens - num_cached, budget)
             if not kv.can_allocate(request.request_id, num_cached + num_tokens, prefix):
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             kv.start_with_prefix(request, prefix)
             kv.allocate_slots(request.request_id, num_cached + num_tokens)
             request.num_computed_tokens = num_cached
@@ -118,6 +121,7 @@ class Scheduler:
             self.running.append(request)
             batch.add(request, num_tokens)
             budget -= num_tokens
+        self.waiting.extendleft(reversed(deferred))
         return budget
 
     def update(self, batch: SchedulerOutput, sampled: list[int], logprobs: list[float] | None, now: float,
