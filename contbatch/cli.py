@@ -209,7 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model)
     config = ContinuousBatchingConfig.from_sources(_engine_config(args), {"max_queue_size": args.max_queue_size})
     name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
-    manager = ContinuousBatchingManager(model, model.generation_config, config)
+    # queue_timeout=0: with --max-queue-size, a full queue answers 503 at once instead of blocking the event loop.
+    manager = ContinuousBatchingManager(model, model.generation_config, config, queue_timeout=0.0)
     manager.start()
     try:
         uvicorn.run(create_app(manager, tokenizer, name, args.api_key, args.max_body_bytes), host=args.host,

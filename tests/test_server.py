@@ -291,3 +291,23 @@ def test_health_is_503_once_the_engine_thread_is_dead(tokenizer: PreTrainedToken
         assert httpx.get(f"{server.live.url}/health").status_code == 503
     finally:
         server.close()
+
+
+def test_full_queue_answers_503_at_once(tokenizer: PreTrainedTokenizerBase) -> None:
+    torch.manual_seed(8)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    manager = ContinuousBatchingManager(model, GenerationConfig(eos_token_id=None),
+                                        ContinuousBatchingConfig(block_size=16, num_blocks=32, max_queue_size=1),
+                                        queue_timeout=0.0)
+    manager.add_request([1, 2, 3], "queued", max_new_tokens=2)  # not started: it stays waiting
+    live = LiveServer(create_app(manager, tokenizer, MODEL))
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503 and "queue stayed full" in response.json()["error"]["message"]
+        assert time.monotonic() - started < 5
+    finally:
+        live.stop()
+        manager.stop()
