@@ -185,14 +185,17 @@ class ContinuousBatchingManager:
                                              eos_token_id=eos_token_id, seed=None if seed is None else seed + j,
                                              **sampling) for j, rid in enumerate(ids)]
         opened: list[str] = []
+        reserved = 0
         try:
             for rid in ids:
                 self._router.open(rid)
                 opened.append(rid)
                 self._wait_for_room(rid)
+                reserved += 1
         except (ValueError, RuntimeError):
             for rid in opened:
                 self._router.discard(rid)
+            self._release_room(reserved)
             raise
         for request in requests:
             self._inbox.put(_Add(request, streaming))
@@ -216,8 +219,10 @@ class ContinuousBatchingManager:
 
     def _wait_for_room(self, request_id: str) -> None:
         limit = self.config.max_queue_size
+        if not limit:
+            return
         with self._room:
-            if limit and not self._room.wait_for(lambda: self._num_queued < limit, self.queue_timeout):
+            if not self._room.wait_for(lambda: self._num_queued < limit, self.queue_timeout):
                 raise RuntimeError(f"request {request_id!r}: the queue stayed full ({limit} waiting requests) "
                                    f"for {self.queue_timeout} s")
             self._num_queued += 1
@@ -293,7 +298,8 @@ class ContinuousBatchingManager:
                 return True
             if isinstance(command, _Add):
                 engine.add(command.request)
-                unadmitted[command.request.request_id] = command.request
+                if self.config.max_queue_size:
+                    unadmitted[command.request.request_id] = command.request
                 if command.streaming:
                     streaming.add(command.request.request_id)
             elif isinstance(command, _ResetPrefixCache):
@@ -311,9 +317,12 @@ class ContinuousBatchingManager:
         left = [rid for rid, request in unadmitted.items() if request.status != RequestStatus.PENDING]
         for rid in left:
             del unadmitted[rid]
-        if left:
+        self._release_room(len(left))
+
+    def _release_room(self, count: int) -> None:
+        if count and self.config.max_queue_size:
             with self._room:
-                self._num_queued -= len(left)
+                self._num_queued -= count
                 self._room.notify_all()
 
     def _cancel_all(self, engine: LLMEngine) -> None:

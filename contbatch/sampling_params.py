@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import GenerationConfig
@@ -63,10 +63,6 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
-    @property
-    def is_greedy(self) -> bool:
-        return not self.do_sample
-
     @classmethod
     def from_generation_config(cls, config: GenerationConfig | None, **overrides: Any) -> SamplingParams:
         """Reads do_sample, temperature, top_k, top_p, max_new_tokens and eos_token_id from `config`, then applies
@@ -107,6 +103,3 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))

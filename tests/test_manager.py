@@ -261,3 +261,15 @@ def test_mixin_methods_and_iteration() -> None:
     with model.continuous_batching_context_manager(continuous_batching_config=CONFIG) as running:
         assert running.is_running()
     assert not running.is_running()
+
+
+def test_n_samples_that_do_not_all_fit_the_queue_release_their_room() -> None:
+    manager = new_manager(max_queue_size=3)
+    manager.queue_timeout = 0.05
+    manager.add_request([1, 2, 3], "a", max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="queue stayed full"):
+        manager.add_request([4, 5, 6], "b", max_new_tokens=2, n=3)
+    manager.add_request([4, 5, 6], "b", max_new_tokens=2, n=2)
+    manager.start()
+    assert {manager.get_result(rid, timeout=30).status for rid in ("a", "b_0", "b_1")} == {RequestStatus.FINISHED}
+    manager.stop()

@@ -64,11 +64,6 @@ class Request:
         return self.token_ids[len(self.prompt_ids):]
 
     @property
-    def max_total_tokens(self) -> int:
-        """The most tokens this request can ever hold in the cache (the last sampled token is never cached)."""
-        return self.num_prompt_tokens + self.params.max_new_tokens - 1
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
