@@ -109,3 +109,15 @@ def test_a_failing_forward_fails_its_batch_and_the_engine_keeps_serving(monkeypa
         engine.add_request(prompts[2], request_id="c", max_new_tokens=4)
         finished = run_engine(engine)
     assert finished["c"].generated_tokens == reference_generate(model, prompts[2], 4)
+
+
+def test_a_request_that_can_never_start_fails_alone_instead_of_stalling() -> None:
+    from contbatch.engine.request import Request
+    from contbatch.sampling_params import SamplingParams
+
+    with make_engine(tiny_model("llama"), block_size=4, num_blocks=4, max_batch_tokens=64) as engine:
+        engine.add(Request("huge", [1] * 40, SamplingParams(max_new_tokens=2)))  # bypasses validation: 10 blocks
+        engine.add_request([1, 2, 3], request_id="small", max_new_tokens=2)
+        finished = run_engine(engine)
+    assert finished["huge"].status == RequestStatus.FAILED and "cannot fit" in finished["huge"].error
+    assert finished["small"].status == RequestStatus.FINISHED

@@ -194,3 +194,44 @@ def test_generate_batch_num_return_sequences_ids_and_greedy_parity() -> None:
         for j in range(3):
             assert outputs[f"req_{i}_{j}"].generated_tokens == reference_generate(model, prompt, 5)
     assert [outputs[f"req_0_{j}"].num_cached_tokens for j in range(3)] == [0, 16, 16]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_all_sliding_model_holds_a_window_of_blocks(caching: bool) -> None:
+    model = tiny_model("mistral-sliding")  # every layer slides, window 7
+    prompts = random_prompts([10, 10], seed=48)
+    prompts[1] = prompts[0][:8] + prompts[1][8:]
+    live_most = 0
+    with make_engine(model, block_size=4, num_blocks=64, max_batch_tokens=16, allow_block_sharing=caching) as engine:
+        assert engine.kv_manager.sliding_window == 7
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=80)
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            for request_id in engine.requests:
+                table = engine.kv_manager.block_table(request_id)
+                live_most = max(live_most, sum(block_id >= 0 for block_id in table))
+        engine.check_integrity()
+        assert engine.block_pool.is_whole
+    # positions [p - 6, p] span at most 3 blocks of 4; without the window a request would end with 23 blocks
+    assert live_most <= 3
+    for index, prompt in enumerate(prompts):
+        assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, 80)
+
+
+def test_hybrid_models_keep_full_kv() -> None:
+    with make_engine(tiny_model("gemma3-hybrid"), block_size=4, num_blocks=8) as engine:
+        assert engine.kv_manager.sliding_window is None
+
+
+def test_all_sliding_model_accepts_generations_longer_than_the_cache() -> None:
+    model = tiny_model("mistral-sliding")
+    prompt = random_prompts([10], seed=49)[0]
+    expected = reference_generate(model, prompt, 120)
+    with make_engine(model, block_size=4, num_blocks=8, max_batch_tokens=16) as engine:
+        engine.add_request(prompt, request_id="long", max_new_tokens=120)  # 129 tokens, a 32-slot cache
+        assert run_engine(engine)["long"].generated_tokens == expected
+    with (make_engine(tiny_model("llama"), block_size=4, num_blocks=8, max_batch_tokens=16) as engine,
+          pytest.raises(ValueError, match="more than the cache can ever hold")):
+        engine.add_request(prompt, request_id="long", max_new_tokens=120)

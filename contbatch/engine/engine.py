@@ -14,7 +14,13 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch.config import ContinuousBatchingConfig
 from contbatch.engine.block_pool import BlockPool
-from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache, available_memory_bytes, num_blocks_for_memory
+from contbatch.engine.kv_cache import (
+    KVCacheSpec,
+    PagedKVCache,
+    available_memory_bytes,
+    num_blocks_for_memory,
+    uniform_sliding_window,
+)
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.request import Request
@@ -52,10 +58,11 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0,
             enable_caching=self.config.allow_block_sharing,
+            sliding_window=uniform_sliding_window(model.config),
         )
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
-        self.model_runner = ModelRunner(model, self.cache)
+        self.model_runner = ModelRunner(model, self.cache, has_dead_blocks=self.kv_manager.sliding_window is not None)
         self.sampler = Sampler()
         self.device = device
         text_config = model.config.get_text_config()
@@ -152,10 +159,14 @@ class LLMEngine:
                 f"({params.max_new_tokens}) = {total} exceeds the model's {self.max_position_embeddings} positions"
             )
         capacity = self.kv_manager.max_tokens_per_request()
-        if total - 1 > capacity:
+        needed = total - 1
+        window = self.kv_manager.sliding_window
+        if window is not None:  # only the window, a step's chunk and a partial block are ever held at once
+            needed = min(needed, window + self.scheduler.max_batch_tokens + self.config.block_size)
+        if needed > capacity:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) needs {total - 1} cache slots, more than the cache can ever hold "
+                f"({params.max_new_tokens}) needs {needed} cache slots, more than the cache can ever hold "
                 f"for one request ({capacity})"
             )
         return list(input_ids)
@@ -171,7 +182,7 @@ class LLMEngine:
         """Runs one step; returns the requests that produced a token or failed in it."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return self._fail_unschedulable()
         self.num_scheduled_tokens_total += batch.total_num_scheduled_tokens
         try:
             logits = self.model_runner.execute(batch, self.kv_manager)
@@ -191,6 +202,17 @@ class LLMEngine:
                    for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
         produced = self.scheduler.update(batch, sampled.token_ids.tolist(), logprobs, time.time(), top)
         return self._retire(produced)
+
+    def _fail_unschedulable(self) -> list[Request]:
+        """With nothing running and the whole cache free, a waiting request that still cannot start never will:
+        it fails alone instead of stalling the engine (validation at admission makes this a last resort)."""
+        scheduler = self.scheduler
+        if scheduler.running or not scheduler.waiting or not self.block_pool.is_whole:
+            return []
+        request = scheduler.waiting[0]
+        scheduler.finish_requests([request], RequestStatus.FAILED, "error",
+                                  f"request {request.request_id!r} cannot fit in the KV cache even alone")
+        return self._retire([request])
 
     def _retire(self, requests: list[Request]) -> list[Request]:
         for request in requests:

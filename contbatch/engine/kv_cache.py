@@ -30,6 +30,16 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
+def uniform_sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window when every layer slides (e.g. Mistral), else None (full or hybrid models)."""
+    config = config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and any(kind != "sliding_attention" for kind in layer_types)):
+        return None
+    return int(window)
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory on `device`: free GPU memory after the model is loaded, or the available RAM on CPU."""
     if device.type == "cuda":

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from contbatch.engine.block_pool import BlockHash, BlockPool
 from contbatch.engine.request import Request
 
+DEAD_BLOCK = -1
+
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """The content hash of a full block: its tokens chained to the hash of everything before it, so equal
@@ -29,12 +31,18 @@ class KVCacheManager:
     prefix of its tokens found in the cache (shared, ref-counted blocks) and computes only the rest. The manager
     returns plain block ids and hides the pool; it never decides *who* gets memory (that is the scheduler's
     job), only whether an allocation fits.
+
+    With `sliding_window` (a model whose layers all slide), blocks holding only tokens that every future query
+    of the request is past the window of are given back at once; their table entries become DEAD_BLOCK, so a
+    long generation holds about `window / block_size + 1` blocks.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, max_blocks_per_request: int = 0,
-                 enable_caching: bool = False) -> None:
+                 enable_caching: bool = False, sliding_window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._num_dead: dict[str, int] = {}
         self.max_blocks_per_request = max_blocks_per_request or pool.num_blocks
         self.enable_caching = enable_caching
         self._tables: dict[str, list[int]] = {}
@@ -64,7 +72,8 @@ class KVCacheManager:
         held = len(self._tables.get(request_id, ())) or len(prefix)
         needed = max(0, -(-num_tokens // self.block_size) - held)
         unheld_prefix = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
-        return held + needed <= self.max_blocks_per_request and self.pool.can_allocate(needed + unheld_prefix)
+        live = held - self._num_dead.get(request_id, 0) + needed
+        return live <= self.max_blocks_per_request and self.pool.can_allocate(needed + unheld_prefix)
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> None:
         """Grows `request_id`'s table to hold `num_tokens` tokens in all. Precondition: `can_allocate`."""
@@ -123,6 +132,21 @@ class KVCacheManager:
                 del self._pending[block_hash]
         self._num_registered[request.request_id] = max(start, full)
 
+    def free_out_of_window(self, request: Request) -> None:
+        """Gives back `request`'s blocks that no future query can see: the next query, at position
+        `num_computed_tokens`, sees keys from `num_computed_tokens - window + 1` on."""
+        if self.sliding_window is None:
+            return
+        table = self._tables.get(request.request_id)
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        dead = 0 if table is None else min(max(0, first_visible) // self.block_size, len(table))
+        start = self._num_dead.get(request.request_id, 0)
+        if dead <= start:
+            return
+        self.pool.free(reversed(table[start:dead]))
+        table[start:dead] = [DEAD_BLOCK] * (dead - start)
+        self._num_dead[request.request_id] = dead
+
     def reset_prefix_cache(self) -> None:
         """Forgets all cached content: nothing computed so far will be shared again."""
         self.pool.reset_prefix_cache()
@@ -147,18 +171,20 @@ class KVCacheManager:
         """Returns all of `request_id`'s blocks to the pool (last block first). Unknown ids are ignored."""
         table = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._num_dead.pop(request_id, None)
         for block_hash in self._owned.pop(request_id, ()):
             if self._pending.get(block_hash) == request_id:
                 del self._pending[block_hash]
         if table:
-            self.pool.free(reversed(table))
+            self.pool.free(block_id for block_id in reversed(table) if block_id != DEAD_BLOCK)
 
     def check_integrity(self) -> None:
         """The ref count of every block equals the number of tables that hold it."""
         holders = [0] * self.pool.num_blocks
         for table in self._tables.values():
             for block_id in table:
-                holders[block_id] += 1
+                if block_id != DEAD_BLOCK:
+                    holders[block_id] += 1
         for block_id, count in enumerate(holders):
             assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count != {count} holders"
         self.pool.check_integrity()

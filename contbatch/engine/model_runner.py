@@ -24,9 +24,11 @@ class ModelRunner:
     requests), and logits are computed only at the positions that sample.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, has_dead_blocks: bool = False) -> None:
+        """`has_dead_blocks`: block tables may hold DEAD_BLOCK entries (a model whose layers all slide)."""
         self.model = model
         self.cache = cache
+        self.has_dead_blocks = has_dead_blocks
         self.device = cache.keys[0].device
         self._previous_attention: str | None = None
         self.attach()
@@ -70,6 +72,10 @@ class ModelRunner:
         tables = [kv_manager.block_table(request.request_id) for request in requests]
         width = max(len(table) for table in tables)
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables])
+        if self.has_dead_blocks:
+            # Blocks left behind by a sliding window are masked but still gathered: point them at a live block.
+            first_live = block_tables.gather(1, (block_tables >= 0).int().argmax(1, keepdim=True))
+            block_tables = torch.where(block_tables < 0, first_live, block_tables)
         counts = torch.tensor(batch.num_scheduled_tokens)
         starts = torch.tensor([request.num_computed_tokens for request in requests])
         offsets = torch.cumsum(counts, 0) - counts

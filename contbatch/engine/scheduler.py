@@ -136,6 +136,7 @@ class Scheduler:
             samples = batch.sampling[index]
             request.num_computed_tokens += batch.num_scheduled_tokens[index]
             self.kv_manager.cache_computed_blocks(request)
+            self.kv_manager.free_out_of_window(request)
             if not samples or request.is_finished:
                 sample_index += samples
                 continue
