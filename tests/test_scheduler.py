@@ -73,8 +73,9 @@ def test_newest_request_is_preempted_when_an_older_one_needs_a_block() -> None:
     assert run_step(scheduler) == [("old", 3), ("new", 8)]
     assert run_step(scheduler) == [("old", 1), ("new", 1)]
     # old now needs a 2nd block for its 5th token while new holds the other 3 blocks: new is preempted.
-    plan = run_step(scheduler)
-    assert plan == [("old", 1)]
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["old"] and batch.preempted == [new]
+    scheduler.update(batch, [7], None, 0.0)
     assert new.status == RequestStatus.PENDING and new.num_computed_tokens == 0
     assert new.generated_tokens == [7, 7]
     assert list(scheduler.waiting) == [new]

@@ -50,10 +50,6 @@ class KVCacheManager:
         self._pending: dict[BlockHash, str] = {}
         self._owned: dict[str, list[BlockHash]] = {}
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
     def max_tokens_per_request(self) -> int:
         """The most tokens one request can ever hold."""
         return min(self.max_blocks_per_request, self.pool.num_blocks) * self.block_size
