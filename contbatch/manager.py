@@ -38,6 +38,7 @@ class ManagerState(enum.IntEnum):
 class _Add:
     request: Request
     streaming: bool
+    leader: Request | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ class ContinuousBatchingManager:
         `temperature`, `top_k`, `top_p`, `seed`, `logprobs`, `top_logprobs`).
 
         With `n > 1`, n samples of the prompt run as requests `<id>_0` ... `<id>_<n-1>` (sample j seeded with
-        `seed + j` when a seed is given); they share the prompt's full KV blocks, computed once. Raises
+        `seed + j` when a seed is given); the prompt is computed once, and the samples share its KV blocks (a
+        partly filled last block is copied when a sample first writes into it). Raises
         ValueError for bad input or a duplicate id, RuntimeError after `stop()` or when the queue stays full for
         `queue_timeout` seconds."""
         if self._state >= ManagerState.STOPPING:
@@ -197,8 +199,8 @@ class ContinuousBatchingManager:
                 self._router.discard(rid)
             self._release_room(reserved)
             raise
-        for request in requests:
-            self._inbox.put(_Add(request, streaming))
+        for j, request in enumerate(requests):
+            self._inbox.put(_Add(request, streaming, requests[0] if j else None))
         return request_id
 
     def add_requests(self, inputs: Sequence[Sequence[int]], max_new_tokens: int | None = None,
@@ -297,7 +299,7 @@ class ContinuousBatchingManager:
             if isinstance(command, _Stop):
                 return True
             if isinstance(command, _Add):
-                engine.add(command.request)
+                engine.add(command.request, command.leader)
                 if self.config.max_queue_size:
                     unadmitted[command.request.request_id] = command.request
                 if command.streaming:

@@ -22,7 +22,7 @@ from tests.conftest import VOCAB, make_engine, random_prompts, reference_generat
         (torch.tensor([1.0, 2.0]), {}, "1-D integer tensor"),
         ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),
         ([1, 2], {"max_new_tokens": -3}, "max_new_tokens must be an integer >= 1, got -3"),
-        ([1] * 30, {"max_new_tokens": 40}, "needs 69 cache slots, more than the cache can ever hold"),
+        ([1] * 30, {"max_new_tokens": 40}, "needs 9 blocks of 8 tokens, more than the cache can ever hold"),
         ([1] * 10, {"max_new_tokens": 1020}, "exceeds the model's 1024 positions"),
         ([1, 2], {"temperature": -1.0}, "temperature must be a finite number > 0"),
         ([1, 2], {"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),

@@ -6,6 +6,12 @@ import pytest
 
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache_manager import KVCacheManager
+from contbatch.engine.request import Request
+from contbatch.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, num_tokens: int = 4) -> Request:
+    return Request(request_id, list(range(1, num_tokens + 1)), SamplingParams(max_new_tokens=4))
 
 
 def test_allocate_takes_lowest_ids_in_order() -> None:
@@ -71,13 +77,13 @@ def test_integrity_check_catches_a_corrupted_pool() -> None:
 
 def test_manager_grows_tables_by_whole_blocks() -> None:
     manager = KVCacheManager(BlockPool(10), block_size=4)
-    assert manager.num_new_blocks("a", 1) == 1
-    manager.allocate_slots("a", 5)
+    a, b = make_request("a"), make_request("b")
+    assert manager.allocate_slots(a, 5) == []
     assert manager.block_table("a") == [0, 1]
-    manager.allocate_slots("a", 8)
+    manager.allocate_slots(a, 8)
     assert manager.block_table("a") == [0, 1]
-    manager.allocate_slots("b", 4)
-    manager.allocate_slots("a", 9)
+    manager.allocate_slots(b, 4)
+    manager.allocate_slots(a, 9)
     assert manager.block_table("a") == [0, 1, 3]
     assert manager.block_table("b") == [2]
     manager.check_integrity()
@@ -92,13 +98,13 @@ def test_manager_grows_tables_by_whole_blocks() -> None:
 
 def test_manager_respects_max_blocks_per_request() -> None:
     manager = KVCacheManager(BlockPool(10), block_size=4, max_blocks_per_request=2)
-    assert manager.max_tokens_per_request() == 8
-    assert manager.can_allocate("a", 8)
-    assert not manager.can_allocate("a", 9)
+    assert manager.can_ever_hold(8, max_chunk=8) and not manager.can_ever_hold(9, max_chunk=8)
+    assert manager.can_allocate(make_request("a"), 8)
+    assert not manager.can_allocate(make_request("a"), 9)
 
 
 def test_manager_cannot_allocate_past_the_pool() -> None:
     manager = KVCacheManager(BlockPool(3), block_size=2)
-    manager.allocate_slots("a", 4)
-    assert manager.can_allocate("b", 2)
-    assert not manager.can_allocate("b", 3)
+    manager.allocate_slots(make_request("a"), 4)
+    assert manager.can_allocate(make_request("b"), 2)
+    assert not manager.can_allocate(make_request("b"), 3)

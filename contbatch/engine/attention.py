@@ -34,8 +34,8 @@ class AttentionGroup:
         query_rows: [batch_size * num_queries] rows of the packed batch to use as queries; a padding query
             repeats its request's last real row.
         query_positions: [batch_size, num_queries] the position of each query in its sequence.
-        kv_slots: [batch_size * context_len] cache slots of each request's keys 0..context_len-1; padding keys
-            repeat the request's last key and are masked.
+        kv_slots: [cache groups, batch_size * context_len] for each layer group of the cache, the slots of
+            each request's keys 0..context_len-1; padding keys repeat the request's last key and are masked.
         real_queries: indices into the flattened padded queries of the real ones, or None when there is no
             padding; the outputs of those go to `query_rows[real_queries]`.
     """
@@ -68,7 +68,8 @@ class PagedAttentionMetadata:
 
     Attributes:
         cache: the physical K/V storage.
-        slot_mapping: [num_tokens] the cache slot of each token of the packed batch.
+        slot_mapping: [cache groups, num_tokens] for each layer group of the cache, the slot of each token of
+            the packed batch.
         groups: the attention groups covering every token of the batch exactly once.
     """
 
@@ -97,11 +98,13 @@ def paged_attention_forward(
             f"attention '{ATTENTION_NAME}' needs the keyword '{METADATA_KWARG}': run the model through contbatch"
         )
     layer = module.layer_idx
+    cache_group = metadata.cache.layer_group[layer]
     queries = query[0].transpose(0, 1)
-    metadata.cache.write(layer, metadata.slot_mapping, key[0], value[0])
+    metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
     output = torch.empty_like(queries)
     for group in metadata.groups:
-        attended = _attend_group(group, queries, metadata.cache, layer, sliding_window, scaling, softcap)
+        attended = _attend_group(group, group.kv_slots[cache_group], queries, metadata.cache, layer,
+                                 sliding_window, scaling, softcap)
         if group.real_queries is None:
             output.index_copy_(0, group.query_rows, attended)
         else:
@@ -112,6 +115,7 @@ def paged_attention_forward(
 
 def _attend_group(
     group: AttentionGroup,
+    kv_slots: torch.Tensor,
     queries: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
@@ -119,7 +123,8 @@ def _attend_group(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Attention of one group; returns [batch_size * num_queries, heads, head_dim]."""
+    """Attention of one group, whose keys are at `kv_slots` in `layer`; returns
+    [batch_size * num_queries, heads, head_dim]."""
     batch, num_queries, context = group.batch_size, group.num_queries, group.context_len
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     q = queries.index_select(0, group.query_rows)
@@ -128,9 +133,9 @@ def _attend_group(
         lengths = group.query_positions[:, 0] + 1
         first = (lengths - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lengths)
         scale = head_dim**-0.5 if scaling is None else scaling
-        slots = group.kv_slots.view(batch, context)
+        slots = kv_slots.view(batch, context)
         return kernel(q, cache.keys[layer], cache.values[layer], slots, lengths, first, scale, softcap or 0.0)
-    keys, values = cache.gather(layer, group.kv_slots, batch, context)
+    keys, values = cache.gather(layer, kv_slots, batch, context)
     q = q.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     mask = group.mask(sliding_window)

@@ -18,8 +18,8 @@ from contbatch.engine.kv_cache import (
     KVCacheSpec,
     PagedKVCache,
     available_memory_bytes,
+    kv_cache_groups,
     num_blocks_for_memory,
-    uniform_sliding_window,
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
@@ -50,19 +50,20 @@ class LLMEngine:
         self.generation_config = generation_config or model.generation_config
         device = next(model.parameters()).device
         spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype)
+        groups = kv_cache_groups(model.config)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(
-            spec, self.config.block_size, available_memory_bytes(device), self.config.max_memory_percent
+            spec, groups, self.config.block_size, available_memory_bytes(device), self.config.max_memory_percent
         )
-        self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device)
+        self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device, groups)
         self.block_pool = BlockPool(num_blocks)
         self.kv_manager = KVCacheManager(
             self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0,
             enable_caching=self.config.allow_block_sharing,
-            sliding_window=uniform_sliding_window(model.config),
+            windows=[group.sliding_window for group in groups],
         )
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
-        self.model_runner = ModelRunner(model, self.cache, has_dead_blocks=self.kv_manager.sliding_window is not None)
+        self.model_runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
         self.device = device
         text_config = model.config.get_text_config()
@@ -128,10 +129,15 @@ class LLMEngine:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         return request
 
-    def add(self, request: Request) -> None:
-        """Queues a request made by `make_request`. Raises ValueError if its id is already queued or running."""
+    def add(self, request: Request, leader: Request | None = None) -> None:
+        """Queues a request made by `make_request`. With `leader` (an earlier request of this engine with the same
+        prompt: n samples of one prompt), it shares the leader's prefill. Raises ValueError if its id is already
+        queued or running."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
+        if leader is not None and self.requests.get(leader.request_id) is leader \
+                and leader.prompt_ids == request.prompt_ids:
+            request.leader = leader
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
 
@@ -158,16 +164,15 @@ class LLMEngine:
                 f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} exceeds the model's {self.max_position_embeddings} positions"
             )
-        capacity = self.kv_manager.max_tokens_per_request()
-        needed = total - 1
-        window = self.kv_manager.sliding_window
-        if window is not None:  # only the window, a step's chunk and a partial block are ever held at once
-            needed = min(needed, window + self.scheduler.max_batch_tokens + self.config.block_size)
-        if needed > capacity:
+        kv = self.kv_manager
+        # the last token is sampled, never written to the cache
+        if not kv.can_ever_hold(total - 1, self.scheduler.max_batch_tokens):
+            needed = sum(kv.blocks_needed_alone(total - 1, self.scheduler.max_batch_tokens))
+            capacity = min(kv.max_blocks_per_request, self.block_pool.num_blocks)
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) needs {needed} cache slots, more than the cache can ever hold "
-                f"for one request ({capacity})"
+                f"({params.max_new_tokens}) needs {needed} blocks of {self.config.block_size} tokens, more than "
+                f"the cache can ever hold for one request ({capacity})"
             )
         return list(input_ids)
 
@@ -187,6 +192,8 @@ class LLMEngine:
         try:
             logits = self.model_runner.execute(batch, self.kv_manager)
             sampling = batch.sampling_requests
+            if len(sampling) != logits.shape[0]:  # n samples of a prompt share its logits row
+                logits = logits[torch.tensor(batch.sampling_rows, device=logits.device)]
             sampled = self.sampler.sample(
                 logits, [r.params for r in sampling], [r.generator for r in sampling]
             )

@@ -1,4 +1,4 @@
-"""`PagedKVCache`: the physical per-layer K/V storage, and how many blocks fit in memory."""
+"""`PagedKVCache`: the physical per-layer K/V storage, its layer groups, and how many blocks fit in memory."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The shape of one token's K/V in every layer of a model."""
+    """The shape of one token's K/V in one layer of a model."""
 
     num_layers: int
     num_kv_heads: int
@@ -26,18 +26,47 @@ class KVCacheSpec:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
 
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+    def bytes_per_block(self, block_size: int, layers_per_block: int) -> int:
+        return 2 * layers_per_block * self.num_kv_heads * self.head_dim * self.dtype.itemsize * block_size
 
 
-def uniform_sliding_window(config: PretrainedConfig) -> int | None:
-    """The attention window when every layer slides (e.g. Mistral), else None (full or hybrid models)."""
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that keep the same tokens, so they share one block table per request.
+
+    Attributes:
+        layers: the model's layer indices; layer `layers[i]` stores its K/V at position `i` of a block.
+        sliding_window: the attention window of these layers, or None for full attention.
+    """
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroup]:
+    """The model's layers split into groups of one attention kind (full, or one sliding window), all groups of
+    the same size but the last of each kind, full-attention groups first.
+
+    A model whose layers are all alike is one group. A hybrid model (Gemma 2/3: sliding and full layers) gets
+    groups of `min(count of each kind)` layers, so that one block of the pool, which holds `block_size` tokens of
+    one group, has the same size for every group; sliding groups then hold only a window's worth of blocks.
+    """
     config = config.get_text_config()
-    window = getattr(config, "sliding_window", None)
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or None
     layer_types = getattr(config, "layer_types", None)
-    if not window or (layer_types is not None and any(kind != "sliding_attention" for kind in layer_types)):
-        return None
-    return int(window)
+    if layer_types is None:  # e.g. Mistral: the config's window applies to every layer
+        layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
+    by_window: dict[int | None, list[int]] = {}
+    for layer, kind in enumerate(layer_types[:num_layers]):
+        by_window.setdefault(int(window) if window and kind == "sliding_attention" else None, []).append(layer)
+    if len(by_window) == 1:
+        (only_window, layers), = by_window.items()
+        return [KVCacheGroup(tuple(layers), only_window)]
+    size = min(len(layers) for layers in by_window.values())
+    kinds = sorted(by_window.items(), key=lambda item: -1 if item[0] is None else item[0])
+    return [KVCacheGroup(tuple(layers[start:start + size]), kind_window)
+            for kind_window, layers in kinds for start in range(0, len(layers), size)]
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -52,29 +81,42 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for_memory(spec: KVCacheSpec, block_size: int, memory_bytes: int, percent: float) -> int:
+def num_blocks_for_memory(spec: KVCacheSpec, groups: list[KVCacheGroup], block_size: int, memory_bytes: int,
+                          percent: float) -> int:
     """How many blocks fit in `percent` of `memory_bytes`."""
-    return max(1, int(memory_bytes * percent) // (spec.bytes_per_token() * block_size))
+    layers_per_block = max(len(group.layers) for group in groups)
+    return max(1, int(memory_bytes * percent) // spec.bytes_per_block(block_size, layers_per_block))
 
 
 class PagedKVCache:
     """K and V of every layer, in blocks of `block_size` token slots.
 
-    Layer `l`'s keys are `keys[l]`, shaped `[num_kv_heads, num_blocks * block_size, head_dim]`: slot
-    `block_id * block_size + offset` holds the token at `offset` in block `block_id`. Slots are flat so that one
-    `index_select` gathers a whole batch's context; heads come first so that one request's keys of one head lie
-    contiguous within a block, which the decode kernel reads directly.
+    Every block has room for `layers_per_block` layers (the size of the largest group); the layers of one group
+    hold the same block ids, and a block id is held by one group at a time. Layer `l`'s keys are `keys[l]`,
+    shaped `[num_kv_heads, num_blocks * block_size, head_dim]`: slot `block_id * block_size + offset` holds the
+    token at `offset` in block `block_id`. Layers at the same position of different groups share that tensor
+    (their block ids differ). Slots are flat so that one `index_select` gathers a whole batch's context; heads
+    come first so that one request's keys of one head lie contiguous within a block, as the decode kernel reads.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
+                 groups: list[KVCacheGroup] | None = None) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (spec.num_layers, 2, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
+        self.groups = groups or [KVCacheGroup(tuple(range(spec.num_layers)))]
+        layers_per_block = max(len(group.layers) for group in self.groups)
+        shape = (layers_per_block, 2, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         # torch.empty: pages are only touched when written, so a large cache costs what it holds.
         self._storage = torch.empty(shape, dtype=spec.dtype, device=device)
-        self.keys = [self._storage[layer, 0] for layer in range(spec.num_layers)]
-        self.values = [self._storage[layer, 1] for layer in range(spec.num_layers)]
+        self.layer_group = [0] * spec.num_layers
+        self.keys: list[torch.Tensor] = [self._storage[0, 0]] * spec.num_layers
+        self.values: list[torch.Tensor] = [self._storage[0, 1]] * spec.num_layers
+        for index, group in enumerate(self.groups):
+            for position, layer in enumerate(group.layers):
+                self.layer_group[layer] = index
+                self.keys[layer] = self._storage[position, 0]
+                self.values[layer] = self._storage[position, 1]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping`."""
@@ -87,3 +129,14 @@ class PagedKVCache:
         keys = self.keys[layer].index_select(1, slots).view(shape).transpose(0, 1)
         values = self.values[layer].index_select(1, slots).view(shape).transpose(0, 1)
         return keys, values
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies the whole content of block `src` to block `dst` for each `(src, dst)`, in every layer."""
+        if not copies:
+            return
+        size = self.block_size
+        offsets = torch.arange(size)
+        src = (torch.tensor([s for s, _ in copies]).unsqueeze(1) * size + offsets).reshape(-1)
+        dst = (torch.tensor([d for _, d in copies]).unsqueeze(1) * size + offsets).reshape(-1)
+        device = self._storage.device
+        self._storage.index_copy_(3, dst.to(device), self._storage.index_select(3, src.to(device)))

@@ -1,10 +1,11 @@
-"""`KVCacheManager`: which blocks each request holds (its block table), and the prefix cache over them."""
+"""`KVCacheManager`: which blocks each request holds (one block table per layer group), and the prefix cache."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from contbatch.engine.block_pool import BlockHash, BlockPool
 from contbatch.engine.request import Request
@@ -22,71 +23,167 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return digest.digest()
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks a new request can start from: its first `num_blocks` full blocks, as one block table per
+    group (in a sliding group, the blocks no future query can see are DEAD_BLOCK)."""
+
+    num_blocks: int
+    tables: tuple[tuple[int, ...], ...]
+
+
 class KVCacheManager:
     """Per-request block tables over one `BlockPool`, with prefix caching.
 
-    A request holding `n` blocks can keep `n * block_size` tokens; token `i` of a request lives in block
-    `block_table[i // block_size]` at offset `i % block_size`. With caching on, every block a request fills
-    is registered under the hash of its prefix once computed; a new request starts with the longest computed
-    prefix of its tokens found in the cache (shared, ref-counted blocks) and computes only the rest. The manager
-    returns plain block ids and hides the pool; it never decides *who* gets memory (that is the scheduler's
-    job), only whether an allocation fits.
+    A request has one block table per layer group (`windows[g]` is group g's sliding window, None for full
+    attention); all its tables have the same length. Token `i` lives at offset `i % block_size` of block
+    `table[i // block_size]` of every group. In a sliding group, blocks holding only tokens that every future
+    query is past the window of are given back at once and their entries become DEAD_BLOCK, so such a group
+    holds about `window / block_size + 1` blocks however long the request grows.
 
-    With `sliding_window` (a model whose layers all slide), blocks holding only tokens that every future query
-    of the request is past the window of are given back at once; their table entries become DEAD_BLOCK, so a
-    long generation holds about `window / block_size + 1` blocks.
+    With caching on, every block a request fills is registered, once computed, under the hash of its prefix
+    (and its group); a new request starts with the longest cached prefix of its tokens (shared, ref-counted
+    blocks) and computes only the rest. A block shared after `fork` is copied before it is written
+    (copy-on-write). The manager returns plain block ids and hides the pool; it never decides *who* gets
+    memory (that is the scheduler's job), only whether an allocation fits.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, max_blocks_per_request: int = 0,
-                 enable_caching: bool = False, sliding_window: int | None = None) -> None:
+                 enable_caching: bool = False, windows: Sequence[int | None] = (None,)) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.sliding_window = sliding_window
-        self._num_dead: dict[str, int] = {}
+        self.windows = tuple(windows)
         self.max_blocks_per_request = max_blocks_per_request or pool.num_blocks
         self.enable_caching = enable_caching
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}
+        self._num_dead: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self._pending: dict[BlockHash, str] = {}
         self._owned: dict[str, list[BlockHash]] = {}
 
-    def max_tokens_per_request(self) -> int:
-        """The most tokens one request can ever hold."""
-        return min(self.max_blocks_per_request, self.pool.num_blocks) * self.block_size
+    @property
+    def has_sliding_groups(self) -> bool:
+        return any(window is not None for window in self.windows)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        tables = self._tables.get(request_id)
+        return tables[group] if tables else []
 
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks `request_id` still needs so that it can hold `num_tokens` tokens in all."""
-        needed = -(-num_tokens // self.block_size)
-        return max(0, needed - len(self._tables.get(request_id, ())))
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """One table per group, all of the same length."""
+        return self._tables.get(request_id) or [[] for _ in self.windows]
 
-    def can_allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
-        """Whether `request_id` can hold `num_tokens` tokens, starting from the cached blocks `prefix` when it
-        holds nothing yet (taking an unheld cached block uses up one free block too)."""
-        held = len(self._tables.get(request_id, ())) or len(prefix)
-        needed = max(0, -(-num_tokens // self.block_size) - held)
-        unheld_prefix = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
-        live = held - self._num_dead.get(request_id, 0) + needed
-        return live <= self.max_blocks_per_request and self.pool.can_allocate(needed + unheld_prefix)
+    # --- capacity ----------------------------------------------------------------------------------------------
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> None:
-        """Grows `request_id`'s table to hold `num_tokens` tokens in all. Precondition: `can_allocate`."""
-        needed = self.num_new_blocks(request_id, num_tokens)
-        if needed:
-            self._tables.setdefault(request_id, []).extend(self.pool.allocate(needed))
+    def blocks_needed_alone(self, num_tokens: int, max_chunk: int) -> list[int]:
+        """Per group, the most blocks a request that grows to `num_tokens` tokens, computing at most `max_chunk`
+        a step, holds at once: every block in a full-attention group; in a sliding group, the window before a
+        chunk, the chunk, and a partial block at each end."""
+        blocks = -(-num_tokens // self.block_size)
+        return [blocks if window is None else min(blocks, -(-(window - 1 + max_chunk) // self.block_size) + 1)
+                for window in self.windows]
+
+    def can_ever_hold(self, num_tokens: int, max_chunk: int) -> bool:
+        """Whether a request growing to `num_tokens` tokens fits in the cache when it runs alone."""
+        needed = self.blocks_needed_alone(num_tokens, max_chunk)
+        return max(needed) <= self.max_blocks_per_request and sum(needed) <= self.pool.num_blocks
+
+    def can_allocate(self, request: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether `request` can hold `num_tokens` tokens (and copy the shared block it writes into), starting
+        from the cached blocks `hit` when it holds nothing yet (an unheld cached block uses up a free block)."""
+        tables = self._tables.get(request.request_id) or (hit.tables if hit else [[] for _ in self.windows])
+        length = -(-num_tokens // self.block_size)
+        needed = len(self._blocks_to_copy(request, tables))
+        most_live = 0
+        for table in tables:
+            new = max(0, length - len(table))
+            needed += new
+            most_live = max(most_live, sum(block_id != DEAD_BLOCK for block_id in table) + new)
+        if request.request_id not in self._tables and hit is not None:
+            needed += sum(self.pool.ref_count(block_id) == 0
+                          for table in hit.tables for block_id in table if block_id != DEAD_BLOCK)
+        return most_live <= self.max_blocks_per_request and self.pool.can_allocate(needed)
+
+    def allocate_slots(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """Grows `request`'s tables to hold `num_tokens` tokens in all, and gives it its own copy of a shared
+        block it is about to write into. Returns the `(src, dst)` block copies to do before the next forward.
+        Precondition: `can_allocate`."""
+        if request.request_id not in self._tables:
+            self._tables[request.request_id] = [[] for _ in self.windows]
+            self._num_dead[request.request_id] = [0] * len(self.windows)
+        tables = self._tables[request.request_id]
+        copies = []
+        for group, index in self._blocks_to_copy(request, tables):
+            (new_block,) = self.pool.allocate(1)
+            copies.append((tables[group][index], new_block))
+            self.pool.free([tables[group][index]])
+            tables[group][index] = new_block
+        length = -(-num_tokens // self.block_size)
+        for table in tables:
+            if length > len(table):
+                table.extend(self.pool.allocate(length - len(table)))
+        return copies
+
+    def _blocks_to_copy(self, request: Request, tables: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """(group, index) of the blocks `request` writes into next that others hold too."""
+        index = request.num_computed_tokens // self.block_size
+        return [(group, index) for group, table in enumerate(tables)
+                if index < len(table) and table[index] != DEAD_BLOCK and self.pool.ref_count(table[index]) > 1]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives `child` (holding nothing) the blocks of `parent`, shared: n samples of one prompt computed once.
+        A shared block either of them writes into later is copied first (see `allocate_slots`)."""
+        tables = self._tables[parent.request_id]
+        for table in tables:
+            self.pool.incref(block_id for block_id in table if block_id != DEAD_BLOCK)
+        self._tables[child.request_id] = [list(table) for table in tables]
+        self._num_dead[child.request_id] = list(self._num_dead.get(parent.request_id, [0] * len(tables)))
+        self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
 
     # --- prefix caching ----------------------------------------------------------------------------------------
 
-    def cached_prefix(self, request: Request) -> list[int]:
-        """The blocks of the longest cached prefix of `request`'s tokens, leaving at least its last token to be
-        computed (its logits are needed)."""
+    def cached_prefix(self, request: Request) -> PrefixHit | None:
+        """The longest cached prefix of `request`'s tokens, leaving at least its last token to be computed (its
+        logits are needed), or None. A full-attention group needs every block of the prefix cached; a sliding
+        group only those in the window of the first token computed after it."""
         if not self.enable_caching:
-            return []
+            return None
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        num_blocks = len(hashes)
+        full: list[list[int]] = []
+        for group, window in enumerate(self.windows):
+            if window is None:
+                table = self._lookup(hashes[:num_blocks], group)
+                num_blocks = len(table)
+                full.append(table)
+        for length in range(num_blocks, 0, -1):
+            tables = self._window_hit(hashes, length)
+            if tables is not None:
+                full_tables = iter(full)
+                return PrefixHit(length, tuple(
+                    tuple(next(full_tables)[:length]) if window is None else tables[group]
+                    for group, window in enumerate(self.windows)))
+        return None
+
+    def _window_hit(self, hashes: list[BlockHash], length: int) -> dict[int, tuple[int, ...]] | None:
+        """The tables of the sliding groups for a prefix of `length` blocks, or None if a block is missing."""
+        tables = {}
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            first = max(0, length * self.block_size - window + 1) // self.block_size
+            table = self._lookup(hashes[first:length], group)
+            if len(table) < length - first:
+                return None
+            tables[group] = (DEAD_BLOCK,) * first + tuple(table)
+        return tables
+
+    def _lookup(self, hashes: Sequence[BlockHash], group: int) -> list[int]:
+        """The cached blocks of `group` for the leading run of `hashes` found in the cache."""
         blocks = []
-        for block_hash in self._hashes(request, (request.num_tokens - 1) // self.block_size):
-            block_id = self.pool.lookup(block_hash)
+        for block_hash in hashes:
+            block_id = self.pool.lookup(_group_key(block_hash, group))
             if block_id is None:
                 break
             blocks.append(block_id)
@@ -100,56 +197,69 @@ class KVCacheManager:
         owner = self._pending.get(self._hashes(request, num_cached_blocks + 1)[num_cached_blocks])
         return owner is not None and owner != request.request_id
 
-    def start_with_prefix(self, request: Request, prefix: Sequence[int]) -> None:
-        """Gives `request` (holding nothing yet) the cached blocks `prefix`, and marks the full blocks it will
+    def start_with_prefix(self, request: Request, hit: PrefixHit | None) -> None:
+        """Gives `request` (holding nothing yet) the cached blocks of `hit`, and marks the full blocks it will
         compute as pending so that requests with the same prefix wait for them."""
-        for block_id in prefix:
-            self.pool.take_cached(block_id)
-        self._tables[request.request_id] = list(prefix)
-        self._num_registered[request.request_id] = len(prefix)
+        tables = [list(table) for table in hit.tables] if hit else [[] for _ in self.windows]
+        for table in tables:
+            for block_id in table:
+                if block_id != DEAD_BLOCK:
+                    self.pool.take_cached(block_id)
+        num_blocks = hit.num_blocks if hit else 0
+        self._tables[request.request_id] = tables
+        self._num_dead[request.request_id] = [table.count(DEAD_BLOCK) for table in tables]
+        self._num_registered[request.request_id] = num_blocks
         if self.enable_caching:
             owned = self._owned.setdefault(request.request_id, [])
-            for block_hash in self._hashes(request, request.num_tokens // self.block_size)[len(prefix):]:
+            for block_hash in self._hashes(request, request.num_tokens // self.block_size)[num_blocks:]:
                 if self._pending.setdefault(block_hash, request.request_id) == request.request_id:
                     owned.append(block_hash)
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Registers the blocks `request` has filled and computed since the last call."""
+        """Registers the blocks `request` has filled and computed since the last call, in every group."""
         if not self.enable_caching:
             return
-        table = self._tables.get(request.request_id, [])
-        full = min(request.num_computed_tokens // self.block_size, len(table))
+        tables = self._tables.get(request.request_id)
+        if not tables:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         start = self._num_registered.get(request.request_id, 0)
         if full <= start:
             return
         for index, block_hash in enumerate(self._hashes(request, full)[start:], start):
-            self.pool.cache(table[index], block_hash)
+            for group, table in enumerate(tables):
+                if table[index] != DEAD_BLOCK:
+                    self.pool.cache(table[index], _group_key(block_hash, group))
             if self._pending.get(block_hash) == request.request_id:
                 del self._pending[block_hash]
-        self._num_registered[request.request_id] = max(start, full)
+        self._num_registered[request.request_id] = full
 
     def free_out_of_window(self, request: Request) -> None:
-        """Gives back `request`'s blocks that no future query can see: the next query, at position
-        `num_computed_tokens`, sees keys from `num_computed_tokens - window + 1` on."""
-        if self.sliding_window is None:
+        """Gives back the blocks of `request`'s sliding groups that no future query can see: the next query, at
+        position `num_computed_tokens`, sees keys from `num_computed_tokens - window + 1` on."""
+        tables = self._tables.get(request.request_id)
+        if tables is None or not self.has_sliding_groups:
             return
-        table = self._tables.get(request.request_id)
-        first_visible = request.num_computed_tokens - self.sliding_window + 1
-        dead = 0 if table is None else min(max(0, first_visible) // self.block_size, len(table))
-        start = self._num_dead.get(request.request_id, 0)
-        if dead <= start:
-            return
-        self.pool.free(reversed(table[start:dead]))
-        table[start:dead] = [DEAD_BLOCK] * (dead - start)
-        self._num_dead[request.request_id] = dead
+        num_dead = self._num_dead[request.request_id]
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = tables[group]
+            first_visible = request.num_computed_tokens - window + 1
+            dead = min(max(0, first_visible) // self.block_size, len(table))
+            start = num_dead[group]
+            if dead > start:
+                self.pool.free(block_id for block_id in reversed(table[start:dead]) if block_id != DEAD_BLOCK)
+                table[start:dead] = [DEAD_BLOCK] * (dead - start)
+                num_dead[group] = dead
 
     def reset_prefix_cache(self) -> None:
         """Forgets all cached content: nothing computed so far will be shared again."""
         self.pool.reset_prefix_cache()
         self._pending.clear()
         self._owned.clear()
-        for request_id in self._num_registered:
-            self._num_registered[request_id] = len(self._tables.get(request_id, ()))
+        for request_id, tables in self._tables.items():
+            self._num_registered[request_id] = len(tables[0])
 
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of `request`'s first `num_blocks` full blocks (computed once, then reused)."""
@@ -165,22 +275,30 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Returns all of `request_id`'s blocks to the pool (last block first). Unknown ids are ignored."""
-        table = self._tables.pop(request_id, None)
+        tables = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         self._num_dead.pop(request_id, None)
         for block_hash in self._owned.pop(request_id, ()):
             if self._pending.get(block_hash) == request_id:
                 del self._pending[block_hash]
-        if table:
+        for table in tables or ():
             self.pool.free(block_id for block_id in reversed(table) if block_id != DEAD_BLOCK)
 
     def check_integrity(self) -> None:
-        """The ref count of every block equals the number of tables that hold it."""
+        """The ref count of every block equals the number of tables that hold it; a request's tables have one
+        length; the dead entries of a table are its first ones."""
         holders = [0] * self.pool.num_blocks
-        for table in self._tables.values():
-            for block_id in table:
-                if block_id != DEAD_BLOCK:
+        for request_id, tables in self._tables.items():
+            assert len({len(table) for table in tables}) == 1, f"{request_id}: tables of different lengths"
+            for table, num_dead in zip(tables, self._num_dead[request_id], strict=True):
+                assert table[:num_dead] == [DEAD_BLOCK] * num_dead and DEAD_BLOCK not in table[num_dead:]
+                for block_id in table[num_dead:]:
                     holders[block_id] += 1
         for block_id, count in enumerate(holders):
             assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count != {count} holders"
         self.pool.check_integrity()
+
+
+def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a block of `group`: the same content in another group is another block."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

@@ -24,11 +24,11 @@ class ModelRunner:
     requests), and logits are computed only at the positions that sample.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, has_dead_blocks: bool = False) -> None:
-        """`has_dead_blocks`: block tables may hold DEAD_BLOCK entries (a model whose layers all slide)."""
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
-        self.has_dead_blocks = has_dead_blocks
+        # sliding groups leave DEAD_BLOCK entries in block tables
+        self.has_dead_blocks = any(group.sliding_window is not None for group in cache.groups)
         self.device = cache.keys[0].device
         self._previous_attention: str | None = None
         self.attach()
@@ -50,6 +50,7 @@ class ModelRunner:
         """Computes the batch's tokens into the cache; returns the logits [num sampling requests, vocab] of the
         requests that sample, in batch order."""
         input_ids, positions, logits_indices, metadata = self.prepare(batch, kv_manager)
+        self.cache.copy_blocks(batch.block_copies)
         output = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -69,19 +70,22 @@ class ModelRunner:
         token_ids: list[int] = []
         for request, count in zip(requests, batch.num_scheduled_tokens, strict=True):
             token_ids.extend(request.token_ids[request.num_computed_tokens:request.num_computed_tokens + count])
-        tables = [kv_manager.block_table(request.request_id) for request in requests]
-        width = max(len(table) for table in tables)
-        block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables])
+        tables = [kv_manager.block_tables(request.request_id) for request in requests]
+        width = max(len(request_tables[0]) for request_tables in tables)
+        # [groups, requests, width]: every group's tables of one request have the same length
+        block_tables = torch.tensor([
+            [table + [0] * (width - len(table)) for table in request_tables] for request_tables in tables
+        ]).transpose(0, 1)
         if self.has_dead_blocks:
             # Blocks left behind by a sliding window are masked but still gathered: point them at a live block.
-            first_live = block_tables.gather(1, (block_tables >= 0).int().argmax(1, keepdim=True))
+            first_live = block_tables.gather(2, (block_tables >= 0).int().argmax(2, keepdim=True))
             block_tables = torch.where(block_tables < 0, first_live, block_tables)
         counts = torch.tensor(batch.num_scheduled_tokens)
         starts = torch.tensor([request.num_computed_tokens for request in requests])
         offsets = torch.cumsum(counts, 0) - counts
         request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
         positions = torch.arange(len(token_ids)) - offsets[request_of_token] + starts[request_of_token]
-        slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
+        slot_mapping = block_tables[:, request_of_token, positions // block_size] * block_size + positions % block_size
         logits_indices = (offsets + counts - 1)[torch.tensor(batch.sampling, dtype=torch.bool)]
         single = counts == 1
         groups = [
@@ -116,7 +120,9 @@ def _attention_group(
     query_offsets = torch.minimum(torch.arange(num_queries).unsqueeze(0), (counts - 1).unsqueeze(1))
     # Padding keys repeat the request's last key: masked, but read, so it must be a written slot (0 * NaN = NaN).
     key_positions = torch.minimum(torch.arange(context_len).unsqueeze(0), (starts + counts - 1).unsqueeze(1))
-    kv_slots = block_tables[members].gather(1, key_positions // block_size) * block_size + key_positions % block_size
+    tables = block_tables[:, members]
+    key_blocks = (key_positions // block_size).expand(tables.shape[0], -1, -1)
+    kv_slots = tables.gather(2, key_blocks) * block_size + key_positions % block_size
     real_queries = None
     if bool((counts != num_queries).any()):
         real_queries = (torch.arange(num_queries).unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero()
@@ -127,7 +133,7 @@ def _attention_group(
         context_len=context_len,
         query_rows=(offsets.unsqueeze(1) + query_offsets).reshape(-1),
         query_positions=starts.unsqueeze(1) + query_offsets,
-        kv_slots=kv_slots.reshape(-1),
+        kv_slots=kv_slots.reshape(len(tables), -1),
         real_queries=real_queries,
     )
 

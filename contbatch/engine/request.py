@@ -23,6 +23,9 @@ class Request:
                                               ^ num_computed_tokens
 
     A request samples a new token after a step whose forward brings `num_computed_tokens` to `num_tokens`.
+
+    `leader` is set on the other samples of a prompt sampled n times: they wait for the leader's prompt to be
+    computed, sample their first token from its logits, then share its blocks (see `Scheduler`).
     """
 
     request_id: str
@@ -42,6 +45,7 @@ class Request:
     num_reported_tokens: int = 0
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    leader: Request | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,124 @@
+"""Sliding-window layers: layer groups, blocks given back once out of the window (all-sliding and hybrid models),
+and prefix caching over sliding groups."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+
+from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.kv_cache import KVCacheGroup, kv_cache_groups
+from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, PrefixHit
+from contbatch.engine.request import Request
+from contbatch.sampling_params import SamplingParams
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+
+
+def test_layer_groups_by_attention_kind() -> None:
+    assert kv_cache_groups(LlamaConfig(num_hidden_layers=3)) == [KVCacheGroup((0, 1, 2), None)]
+    assert kv_cache_groups(MistralConfig(num_hidden_layers=2, sliding_window=7)) == [KVCacheGroup((0, 1), 7)]
+    pattern = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    gemma3 = Gemma3TextConfig(num_hidden_layers=12, sliding_window=6, layer_types=pattern)
+    assert kv_cache_groups(gemma3) == [
+        KVCacheGroup((5, 11), None),
+        KVCacheGroup((0, 1), 6), KVCacheGroup((2, 3), 6), KVCacheGroup((4, 6), 6),
+        KVCacheGroup((7, 8), 6), KVCacheGroup((9, 10), 6),
+    ]
+
+
+def make_request(request_id: str, token_ids: list[int]) -> Request:
+    return Request(request_id, token_ids, SamplingParams(max_new_tokens=4))
+
+
+def test_sliding_group_prefix_hit_needs_only_the_window() -> None:
+    manager = KVCacheManager(BlockPool(16), block_size=4, enable_caching=True, windows=(None, 6))
+    a = make_request("a", list(range(1, 18)))
+    manager.start_with_prefix(a, None)
+    manager.allocate_slots(a, 17)
+    assert manager.block_tables("a") == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    a.num_computed_tokens = 17
+    manager.cache_computed_blocks(a)
+    manager.free_out_of_window(a)  # the next query (position 17) sees keys 12..17: blocks 3 and 4
+    assert manager.block_table("a", 1) == [DEAD_BLOCK] * 3 + [8, 9]
+    assert list(manager.pool._evictable) == [7, 6, 5], "cached blocks out of the window stay cached"
+
+    b = make_request("b", [*range(1, 17), 99])
+    hit = manager.cached_prefix(b)  # 16 tokens reused: the next query (position 16) sees keys 11..16
+    assert hit == PrefixHit(4, ((0, 1, 2, 3), (DEAD_BLOCK, DEAD_BLOCK, 7, 8)))
+    manager.start_with_prefix(b, hit)
+    assert [manager.pool.ref_count(i) for i in range(10)] == [2, 2, 2, 2, 1, 0, 0, 1, 2, 1]
+
+    taken = manager.pool.allocate(7)  # 6 plain free blocks, then the least recently used cached one: block 6
+    assert taken == [10, 11, 12, 13, 14, 15, 6]
+    c = make_request("c", [*range(1, 13), 50, 51])
+    # 3 blocks would need sliding blocks 1 (evicted) and 2; 2 blocks need 0 and 1; 1 block needs block 0 only
+    assert manager.cached_prefix(c) == PrefixHit(1, ((0,), (5,)))
+    manager.pool.free(taken)
+    manager.free("a")
+    manager.free("b")
+    manager.check_integrity()
+    assert manager.pool.is_whole
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_all_sliding_model_holds_a_window_of_blocks(caching: bool) -> None:
+    model = tiny_model("mistral-sliding")  # every layer slides, window 7
+    prompts = random_prompts([10, 10], seed=48)
+    prompts[1] = prompts[0][:8] + prompts[1][8:]
+    live_most = 0
+    with make_engine(model, block_size=4, num_blocks=64, max_batch_tokens=16, allow_block_sharing=caching) as engine:
+        assert engine.kv_manager.windows == (7,)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=80)
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            for request_id in engine.requests:
+                table = engine.kv_manager.block_table(request_id)
+                live_most = max(live_most, sum(block_id >= 0 for block_id in table))
+        engine.check_integrity()
+        assert engine.block_pool.is_whole
+    # positions [p - 6, p] span at most 3 blocks of 4; without the window a request would end with 23 blocks
+    assert live_most <= 3
+    for index, prompt in enumerate(prompts):
+        assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, 80)
+
+
+@pytest.mark.parametrize("model_name", ["gemma3-hybrid", "gemma2-softcap"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_hybrid_model_sliding_layers_hold_a_window_of_blocks(model_name: str, caching: bool) -> None:
+    model = tiny_model(model_name)  # half the layers slide (window 6), half attend to everything
+    prompts = random_prompts([9, 14, 5], seed=50)
+    prompts[1] = prompts[0][:8] + prompts[1][8:]
+    expected = [reference_generate(model, prompt, 90) for prompt in prompts]
+    # Full KV in both groups would need 2 * 26 blocks for the longest request; its sliding group needs 4.
+    with make_engine(model, block_size=4, num_blocks=40, max_batch_tokens=8, allow_block_sharing=caching) as engine:
+        assert engine.kv_manager.windows == (None, 6)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=90)
+        finished = {}
+        live_most = {0: 0, 1: 0}
+        while engine.has_unfinished_requests():
+            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            for request_id in engine.requests:
+                for group in live_most:
+                    live = sum(block_id >= 0 for block_id in engine.kv_manager.block_table(request_id, group))
+                    live_most[group] = max(live_most[group], live)
+        engine.check_integrity()
+        assert engine.block_pool.is_whole
+    assert live_most[1] <= 4, "keys [p - 5, p + 7] of an 8-token chunk span at most 4 blocks of 4"
+    assert live_most[0] >= 25
+    for index in range(len(prompts)):
+        assert finished[f"r{index}"].generated_tokens == expected[index], f"r{index}"
+
+
+def test_all_sliding_model_accepts_generations_longer_than_the_cache() -> None:
+    model = tiny_model("mistral-sliding")
+    prompt = random_prompts([10], seed=49)[0]
+    expected = reference_generate(model, prompt, 120)
+    with make_engine(model, block_size=4, num_blocks=8, max_batch_tokens=16) as engine:
+        engine.add_request(prompt, request_id="long", max_new_tokens=120)  # 129 tokens, a 32-slot cache
+        assert run_engine(engine)["long"].generated_tokens == expected
+    with (make_engine(tiny_model("llama"), block_size=4, num_blocks=8, max_batch_tokens=16) as engine,
+          pytest.raises(ValueError, match="more than the cache can ever hold")):
+        engine.add_request(prompt, request_id="long", max_new_tokens=120)
