@@ -15,11 +15,17 @@ from transformers import GenerationConfig
 from contbatch.api import generate_batch
 from contbatch.config import ContinuousBatchingConfig
 
+# Prefix caching shares whole blocks: with 256-token blocks a 200-token system prompt is never shared.
+CLI_BLOCK_SIZE = 16
+
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    parser.add_argument("--block-size", type=int, default=CLI_BLOCK_SIZE,
+                        help=f"tokens per KV-cache block (default {CLI_BLOCK_SIZE}: prefix caching shares whole "
+                        "blocks, and throughput is the same from 16 to 256 on CPU; the Python API keeps "
+                        "transformers' default of 256)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward pass")
     parser.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")

@@ -173,6 +173,7 @@ class Scheduler:
         if not followers:
             self._followers.pop(leader.request_id, None)
         self.kv_manager.fork(leader, follower)
+        follower.leader = None
         follower.num_computed_tokens = leader.num_computed_tokens
         follower.num_cached_tokens = follower.num_prompt_tokens
         self.running.append(follower)

@@ -51,16 +51,17 @@ class Generation:
     _running: set[int] = field(default_factory=set)
 
     def choice_id(self, index: int) -> str:
-        return f"{self.request_id}-{index}"
+        """The manager's id of choice `index` (see `ContinuousBatchingManager.add_request`'s `n`)."""
+        return self.request_id if self.n == 1 else f"{self.request_id}_{index}"
 
     def start(self, streaming: bool) -> None:
-        """Submits the n choices. Raises APIError(400) for input the engine rejects."""
-        seed = self.sampling.get("seed")
+        """Submits the n choices as n samples of one prompt (its prefill is shared). Raises APIError(400) for
+        input the engine rejects."""
         try:
+            self.manager.add_request(self.prompt_ids, self.request_id, self.max_tokens,
+                                     streaming=streaming or bool(self.stop), record_timestamps=True, n=self.n,
+                                     **self.sampling)
             for index in range(self.n):
-                sampling = {**self.sampling, "seed": None if seed is None else seed + index}
-                self.manager.add_request(self.prompt_ids, self.choice_id(index), self.max_tokens,
-                                         streaming=streaming or bool(self.stop), record_timestamps=True, **sampling)
                 self._running.add(index)
                 self.manager.register_result_handler(
                     self.choice_id(index), lambda output, index=index: self._queue.put_nowait((index, output))
