@@ -91,17 +91,22 @@ class KVCacheManager:
     def can_allocate(self, request: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Whether `request` can hold `num_tokens` tokens (and copy the shared block it writes into), starting
         from the cached blocks `hit` when it holds nothing yet (an unheld cached block uses up a free block)."""
-        tables = self._tables.get(request.request_id) or (hit.tables if hit else [[] for _ in self.windows])
+        tables: Sequence[Sequence[int]] | None = self._tables.get(request.request_id)
+        needed = 0
+        if tables is not None:
+            num_dead: Sequence[int] = self._num_dead[request.request_id]
+            needed += len(self._blocks_to_copy(request, tables))
+        else:
+            tables = hit.tables if hit else [()] * len(self.windows)
+            num_dead = [table.count(DEAD_BLOCK) for table in tables]
+            needed += sum(self.pool.ref_count(block_id) == 0
+                          for table in tables for block_id in table if block_id != DEAD_BLOCK)
         length = -(-num_tokens // self.block_size)
-        needed = len(self._blocks_to_copy(request, tables))
         most_live = 0
-        for table in tables:
+        for table, dead in zip(tables, num_dead, strict=True):
             new = max(0, length - len(table))
             needed += new
-            most_live = max(most_live, sum(block_id != DEAD_BLOCK for block_id in table) + new)
-        if request.request_id not in self._tables and hit is not None:
-            needed += sum(self.pool.ref_count(block_id) == 0
-                          for table in hit.tables for block_id in table if block_id != DEAD_BLOCK)
+            most_live = max(most_live, len(table) - dead + new)
         return most_live <= self.max_blocks_per_request and self.pool.can_allocate(needed)
 
     def allocate_slots(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:

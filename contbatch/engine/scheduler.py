@@ -138,9 +138,8 @@ class Scheduler:
                top_logprobs: list[list[tuple[int, float]]] | None = None) -> list[Request]:
         """Advances every request of `batch` by its scheduled tokens and appends the sampled tokens (one per
         request of `batch.sampling_requests`, in that order, with their logprobs and top alternatives when given);
-        followers are forked from their leader first. Returns the
-        requests that produced a token, finished or not; finished ones leave the running list and give back
-        their blocks."""
+        followers are forked from their leader first. Returns the requests that produced a token, finished or
+        not; finished ones leave the running list and give back their blocks."""
         produced: list[Request] = []
         sample_index = 0
         for index, request in enumerate(batch.requests):
