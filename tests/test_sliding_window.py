@@ -4,14 +4,15 @@ and prefix caching over sliding groups."""
 from __future__ import annotations
 
 import pytest
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
 
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache import KVCacheGroup, kv_cache_groups
 from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, PrefixHit
 from contbatch.engine.request import Request
 from contbatch.sampling_params import SamplingParams
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import _COMMON, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def test_layer_groups_by_attention_kind() -> None:
@@ -122,3 +123,25 @@ def test_all_sliding_model_accepts_generations_longer_than_the_cache() -> None:
     with (make_engine(tiny_model("llama"), block_size=4, num_blocks=8, max_batch_tokens=16) as engine,
           pytest.raises(ValueError, match="more than the cache can ever hold")):
         engine.add_request(prompt, request_id="long", max_new_tokens=120)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_uneven_hybrid_layer_groups_match_generate(caching: bool) -> None:
+    """Seven layers, two of them full: groups (3, 6), (0, 1), (2, 4) and a padded (5,), in one pool."""
+    layer_types = ["full_attention" if layer in (3, 6) else "sliding_attention" for layer in range(7)]
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(Gemma3TextConfig(
+        num_hidden_layers=7, head_dim=16, sliding_window=5, layer_types=layer_types, **_COMMON
+    ), attn_implementation="sdpa").eval()
+    prompts = random_prompts([23, 9, 30], seed=51)
+    prompts[2] = prompts[0][:20] + prompts[2][20:]
+    expected = [reference_generate(model, prompt, 20) for prompt in prompts]
+    with make_engine(model, block_size=4, num_blocks=60, max_batch_tokens=12, allow_block_sharing=caching) as engine:
+        assert [len(group.layers) for group in engine.cache.groups] == [2, 2, 2, 1]
+        assert engine.kv_manager.windows == (None, 5, 5, 5)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=20)
+        finished = run_engine(engine)
+    for index in range(len(prompts)):
+        assert finished[f"r{index}"].generated_tokens == expected[index], f"r{index}"
+    assert (finished["r2"].num_cached_tokens == 20) == caching
