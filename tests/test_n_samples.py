@@ -119,3 +119,36 @@ def test_generate_batch_num_return_sequences_ids_and_greedy_parity() -> None:
         for j in range(3):
             assert outputs[f"req_{i}_{j}"].generated_tokens == reference_generate(model, prompt, 5)
     assert [outputs[f"req_0_{j}"].num_cached_tokens for j in range(3)] == [0, 19, 19]
+
+
+def test_samples_prefixes_preemption_and_cancels_together_keep_the_cache_whole() -> None:
+    """Hybrid layers, shared prefixes, n samples, a tight cache and cancellations in one run: the cache
+    bookkeeping holds after every step and every request that was not cancelled matches generate."""
+    model = tiny_model("gemma3-hybrid")
+    system = random_prompts([10], seed=63)[0]
+    prompts = [system + suffix for suffix in random_prompts([3, 6, 1, 9, 4, 7], seed=64)]
+    expected = [reference_generate(model, prompt, 10) for prompt in prompts]
+    with make_engine(model, block_size=4, num_blocks=24, max_batch_tokens=16) as engine:
+        samples = {i: add_samples(engine, prompt, f"p{i}", 1 + i % 3, max_new_tokens=10, do_sample=True, top_k=1)
+                   for i, prompt in enumerate(prompts)}
+        cancel_at = {2: "p1_0", 5: "p4_1", 9: "p5_2"}
+        finished: dict[str, Request] = {}
+        computed: dict[str, int] = {}
+        preempted = set()
+        step = 0
+        while engine.has_unfinished_requests():
+            if step in cancel_at:
+                assert engine.cancel_request(cancel_at[step]) is not None, cancel_at[step]
+            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            engine.check_integrity()
+            for request_id, request in engine.requests.items():
+                if request.num_computed_tokens < computed.get(request_id, 0):
+                    preempted.add(request_id)
+                computed[request_id] = request.num_computed_tokens
+            step += 1
+        assert engine.block_pool.is_whole
+        assert preempted, "the cache is meant to be too small for everything at once"
+    for i, sample_ids in samples.items():
+        for request_id in sample_ids:
+            if request_id not in cancel_at.values():
+                assert finished[request_id].generated_tokens == expected[i], request_id
