@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Mi
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache import KVCacheGroup, kv_cache_groups
 from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, PrefixHit
+from contbatch.engine.model_runner import _key_layout
 from contbatch.engine.request import Request
 from contbatch.sampling_params import SamplingParams
 from tests.conftest import _COMMON, make_engine, random_prompts, reference_generate, run_engine, tiny_model
@@ -145,3 +146,19 @@ def test_uneven_hybrid_layer_groups_match_generate(caching: bool) -> None:
     for index in range(len(prompts)):
         assert finished[f"r{index}"].generated_tokens == expected[index], f"r{index}"
     assert (finished["r2"].num_cached_tokens == 20) == caching
+
+
+def test_sliding_layers_read_only_their_window_of_keys() -> None:
+    starts, counts = torch.tensor([3, 20]), torch.tensor([1, 5])
+    full, full_positions = _key_layout(starts, counts, None)
+    assert full.first is None and full.length == 25 and full_positions[0, :6].tolist() == [0, 1, 2, 3, 3, 3]
+    window, positions = _key_layout(starts, counts, 6)
+    assert window.first.tolist() == [0, 15] and window.length == 10
+    assert positions.tolist() == [[0, 1, 2, 3, 3, 3, 3, 3, 3, 3], list(range(15, 25))]
+    queries = torch.tensor([[3, 3, 3, 3, 3], [20, 21, 22, 23, 24]])
+    mask = window.mask(queries, 6)[:, 0]
+    keys = window.first[:, None, None] + torch.arange(10)
+    assert torch.equal(mask, (keys <= queries[..., None]) & (keys > queries[..., None] - 6))
+    assert mask[0, 0].tolist() == [True] * 4 + [False] * 6, "padding keys are masked"
+    short, _ = _key_layout(torch.tensor([0]), torch.tensor([5]), 6)
+    assert short.first is None and short.length == 5, "a window that does not shorten the range reads from 0"

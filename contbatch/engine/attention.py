@@ -24,42 +24,54 @@ METADATA_KWARG = "contbatch_metadata"
 
 
 @dataclass
+class KeyLayout:
+    """The keys each request of a group reads in the layers of one cache group: `length` positions from
+    `first[b]` on (from 0 when `first` is None). A sliding group starts at its window, so it neither gathers
+    nor masks keys no query can see. Padding past a request's last key repeats that key and is masked."""
+
+    length: int
+    first: torch.Tensor | None = None
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, query_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """[batch, 1, num_queries, length] bool: query at position q sees key k iff k <= q and, with a window W,
+        k > q - W (as transformers' sliding-window mask). Built once per step for each window."""
+        if sliding_window not in self._masks:
+            keys = torch.arange(self.length, device=query_positions.device)
+            if self.first is not None:
+                keys = (self.first.unsqueeze(1) + keys).unsqueeze(1)
+            queries = query_positions.unsqueeze(-1)
+            allowed = keys <= queries
+            if sliding_window is not None:
+                allowed &= keys > queries - sliding_window
+            self._masks[sliding_window] = allowed.unsqueeze(1)
+        return self._masks[sliding_window]
+
+
+@dataclass
 class AttentionGroup:
-    """Requests attended together, padded to `num_queries` queries and `context_len` keys each.
+    """Requests attended together, padded to `num_queries` queries each.
 
     Attributes:
         batch_size: requests in the group.
         num_queries: queries per request after padding (1 for a group of decoding requests).
-        context_len: keys per request after padding.
         query_rows: [batch_size * num_queries] rows of the packed batch to use as queries; a padding query
             repeats its request's last real row.
         query_positions: [batch_size, num_queries] the position of each query in its sequence.
-        kv_slots: [cache groups, batch_size * context_len] for each layer group of the cache, the slots of
-            each request's keys 0..context_len-1; padding keys repeat the request's last key and are masked.
+        layouts: for each layer group of the cache, the keys its layers read (groups with the same window share
+            one layout).
+        kv_slots: for each layer group of the cache, [batch_size * layout.length] the slots of those keys.
         real_queries: indices into the flattened padded queries of the real ones, or None when there is no
             padding; the outputs of those go to `query_rows[real_queries]`.
     """
 
     batch_size: int
     num_queries: int
-    context_len: int
     query_rows: torch.Tensor
     query_positions: torch.Tensor
-    kv_slots: torch.Tensor
+    layouts: list[KeyLayout]
+    kv_slots: list[torch.Tensor]
     real_queries: torch.Tensor | None = None
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[batch_size, 1, num_queries, context_len] bool: query at position q sees key k iff k <= q and, with a
-        window W, k > q - W (as transformers' sliding-window mask). Built once per step for each window."""
-        if sliding_window not in self._masks:
-            keys = torch.arange(self.context_len, device=self.query_positions.device)
-            queries = self.query_positions.unsqueeze(-1)
-            allowed = keys <= queries
-            if sliding_window is not None:
-                allowed &= keys > queries - sliding_window
-            self._masks[sliding_window] = allowed.unsqueeze(1)
-        return self._masks[sliding_window]
 
 
 @dataclass
@@ -99,12 +111,15 @@ def paged_attention_forward(
         )
     layer = module.layer_idx
     cache_group = metadata.cache.layer_group[layer]
+    if sliding_window != metadata.cache.groups[cache_group].sliding_window:
+        raise RuntimeError(f"layer {layer} attends with window {sliding_window}, its cache group keeps "
+                           f"{metadata.cache.groups[cache_group].sliding_window}: the model config disagrees")
     queries = query[0].transpose(0, 1)
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
     output = torch.empty_like(queries)
     for group in metadata.groups:
-        attended = _attend_group(group, group.kv_slots[cache_group], queries, metadata.cache, layer,
-                                 sliding_window, scaling, softcap)
+        attended = _attend_group(group, cache_group, queries, metadata.cache, layer, sliding_window, scaling,
+                                 softcap)
         if group.real_queries is None:
             output.index_copy_(0, group.query_rows, attended)
         else:
@@ -115,7 +130,7 @@ def paged_attention_forward(
 
 def _attend_group(
     group: AttentionGroup,
-    kv_slots: torch.Tensor,
+    cache_group: int,
     queries: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
@@ -123,22 +138,25 @@ def _attend_group(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Attention of one group, whose keys are at `kv_slots` in `layer`; returns
+    """Attention of one group in `layer` (of cache group `cache_group`); returns
     [batch_size * num_queries, heads, head_dim]."""
-    batch, num_queries, context = group.batch_size, group.num_queries, group.context_len
+    layout, kv_slots = group.layouts[cache_group], group.kv_slots[cache_group]
+    batch, num_queries, context = group.batch_size, group.num_queries, layout.length
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     q = queries.index_select(0, group.query_rows)
     kernel = _decode_kernel_for(group, q, cache)
     if kernel is not None:
         lengths = group.query_positions[:, 0] + 1
         first = (lengths - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lengths)
+        if layout.first is not None:  # the kernel indexes slots from the layout's first position
+            lengths, first = lengths - layout.first, first - layout.first
         scale = head_dim**-0.5 if scaling is None else scaling
         slots = kv_slots.view(batch, context)
         return kernel(q, cache.keys[layer], cache.values[layer], slots, lengths, first, scale, softcap or 0.0)
     keys, values = cache.gather(layer, kv_slots, batch, context)
     q = q.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
-    mask = group.mask(sliding_window)
+    mask = layout.mask(group.query_positions, sliding_window)
     if softcap:
         out = _softcapped_attention(q, keys, values, mask, scaling, softcap)
     else:

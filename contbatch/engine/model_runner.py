@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 from contbatch.engine.attention import (
     METADATA_KWARG,
     AttentionGroup,
+    KeyLayout,
     PagedAttentionMetadata,
     register_paged_attention,
 )
@@ -89,7 +90,8 @@ class ModelRunner:
         logits_indices = (offsets + counts - 1)[torch.tensor(batch.sampling, dtype=torch.bool)]
         single = counts == 1
         groups = [
-            _attention_group(members.nonzero().squeeze(1), counts, starts, offsets, block_tables, block_size)
+            _attention_group(members.nonzero().squeeze(1), counts, starts, offsets, block_tables, block_size,
+                             kv_manager.windows)
             for members in (single, ~single)
             if bool(members.any())
         ]
@@ -107,22 +109,25 @@ def _attention_group(
     offsets: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
+    windows: tuple[int | None, ...],
 ) -> AttentionGroup:
-    """The group of requests `members`, padded to their longest query and context.
+    """The group of requests `members`, padded to their longest query and, per cache group, key range.
 
         request b, padded queries:  [ q0 q1 .. q(n-1) | q(n-1) q(n-1) ... ]   (n = counts[b])
         positions:                  [ s  s+1 ..  s+n-1 | s+n-1 ...         ]   (s = starts[b])
-        keys:                       [ 0 1 .. s+n-1 | s+n-1 ... (masked) ]
+        keys, full attention:       [ 0 1 .. s+n-1 | s+n-1 ... (masked) ]
+        keys, window W:             [ s-W+1 .. s+n-1 | s+n-1 ... (masked) ]   (from 0 while s < W)
     """
     counts, starts, offsets = counts[members], starts[members], offsets[members]
     num_queries = int(counts.max())
-    context_len = int((starts + counts).max())
     query_offsets = torch.minimum(torch.arange(num_queries).unsqueeze(0), (counts - 1).unsqueeze(1))
-    # Padding keys repeat the request's last key: masked, but read, so it must be a written slot (0 * NaN = NaN).
-    key_positions = torch.minimum(torch.arange(context_len).unsqueeze(0), (starts + counts - 1).unsqueeze(1))
-    tables = block_tables[:, members]
-    key_blocks = (key_positions // block_size).expand(tables.shape[0], -1, -1)
-    kv_slots = tables.gather(2, key_blocks) * block_size + key_positions % block_size
+    layouts = {window: _key_layout(starts, counts, window) for window in set(windows)}
+    kv_slots = []
+    for group, window in enumerate(windows):
+        key_positions = layouts[window][1]
+        table = block_tables[group, members]
+        kv_slots.append((table.gather(1, key_positions // block_size) * block_size
+                         + key_positions % block_size).reshape(-1))
     real_queries = None
     if bool((counts != num_queries).any()):
         real_queries = (torch.arange(num_queries).unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero()
@@ -130,12 +135,30 @@ def _attention_group(
     return AttentionGroup(
         batch_size=len(members),
         num_queries=num_queries,
-        context_len=context_len,
         query_rows=(offsets.unsqueeze(1) + query_offsets).reshape(-1),
         query_positions=starts.unsqueeze(1) + query_offsets,
-        kv_slots=kv_slots.reshape(len(tables), -1),
+        layouts=[layouts[window][0] for window in windows],
+        kv_slots=kv_slots,
         real_queries=real_queries,
     )
+
+
+def _key_layout(starts: torch.Tensor, counts: torch.Tensor, window: int | None) -> tuple[KeyLayout, torch.Tensor]:
+    """The keys requests read in layers with `window`, and their positions [batch, length]: from each request's
+    window start when that shortens the padded range, else from 0."""
+    last = starts + counts - 1
+    length = int(last.max()) + 1
+    first = None
+    if window is not None:
+        window_start = (starts - window + 1).clamp(min=0)
+        window_length = int((last + 1 - window_start).max())
+        if window_length < length:
+            first, length = window_start, window_length
+    positions = torch.arange(length).unsqueeze(0)
+    if first is not None:
+        positions = positions + first.unsqueeze(1)
+    # Padding keys repeat the request's last key: masked, but read, so it must be a written slot (0 * NaN = NaN).
+    return KeyLayout(length, first), torch.minimum(positions, last.unsqueeze(1))
 
 
 def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
@@ -143,7 +166,10 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         return group
     group.query_rows = group.query_rows.to(device, non_blocking=True)
     group.query_positions = group.query_positions.to(device, non_blocking=True)
-    group.kv_slots = group.kv_slots.to(device, non_blocking=True)
+    group.kv_slots = [slots.to(device, non_blocking=True) for slots in group.kv_slots]
+    for layout in group.layouts:
+        if layout.first is not None:
+            layout.first = layout.first.to(device, non_blocking=True)
     if group.real_queries is not None:
         group.real_queries = group.real_queries.to(device, non_blocking=True)
     return group
