@@ -12,6 +12,7 @@ from contbatch.engine.kv_cache import KVCacheGroup, kv_cache_groups
 from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, PrefixHit
 from contbatch.engine.model_runner import _key_layout
 from contbatch.engine.request import Request
+from contbatch.outputs import RequestStatus
 from contbatch.sampling_params import SamplingParams
 from tests.conftest import _COMMON, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -162,3 +163,16 @@ def test_sliding_layers_read_only_their_window_of_keys() -> None:
     assert mask[0, 0].tolist() == [True] * 4 + [False] * 6, "padding keys are masked"
     short, _ = _key_layout(torch.tensor([0]), torch.tensor([5]), 6)
     assert short.first is None and short.length == 5, "a window that does not shorten the range reads from 0"
+
+
+def test_a_layer_wider_than_its_cache_window_fails_its_requests_not_silently() -> None:
+    from tests.conftest import TINY_CONFIGS
+
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS["mistral-sliding"](), attn_implementation="sdpa").eval()
+    with make_engine(model, block_size=4, num_blocks=16) as engine:
+        model.config.sliding_window = None  # the layers now attend to everything; the cache keeps 7 positions
+        engine.add_request([5, 6, 7], request_id="r", max_new_tokens=2)
+        failed = engine.step()[0]
+        engine.check_integrity()
+        assert engine.block_pool.is_whole
+    assert failed.status == RequestStatus.FAILED and "keeps only the last 7 positions" in failed.error

@@ -111,9 +111,11 @@ def paged_attention_forward(
         )
     layer = module.layer_idx
     cache_group = metadata.cache.layer_group[layer]
-    if sliding_window != metadata.cache.groups[cache_group].sliding_window:
-        raise RuntimeError(f"layer {layer} attends with window {sliding_window}, its cache group keeps "
-                           f"{metadata.cache.groups[cache_group].sliding_window}: the model config disagrees")
+    kept = metadata.cache.groups[cache_group].sliding_window
+    if kept is not None and (sliding_window is None or sliding_window > kept):
+        # the cache dropped keys this layer would see: never attend over a silently shortened context
+        raise RuntimeError(f"layer {layer} attends with window {sliding_window}, but its cache group keeps only "
+                           f"the last {kept} positions: the model config's layer_types/sliding_window disagree")
     queries = query[0].transpose(0, 1)
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
     output = torch.empty_like(queries)
