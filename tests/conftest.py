@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -92,3 +93,12 @@ def run_engine(engine: LLMEngine) -> dict[str, Request]:
 def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:
     generation_config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
     return LLMEngine(model, generation_config, ContinuousBatchingConfig(**config))  # type: ignore[arg-type]
+
+
+def run_threads(target: Callable[[int], None], count: int, timeout: float = 120) -> None:
+    """Runs `target(0)` ... `target(count - 1)` on `count` threads at once and waits for them all."""
+    threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)

@@ -16,7 +16,7 @@ from contbatch import (
     RequestStatus,
     continuous_batching_context_manager,
 )
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, run_threads, tiny_model
 
 CONFIG = ContinuousBatchingConfig(block_size=16, num_blocks=1024, max_batch_tokens=64)
 
@@ -56,11 +56,7 @@ def test_eight_threads_with_streaming_and_random_cancels() -> None:
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=client, args=(t,)) for t in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    run_threads(client, 8)
     assert not errors and len(results) == 800
     for rid, outputs in results.items():
         terminal = [o for o in outputs if o.is_finished()]

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForC
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.embedded import embedded_model_dir
 from contbatch.server.app import create_app
+from tests.conftest import run_threads
 
 MODEL = "tiny-llama"
 
@@ -268,11 +269,7 @@ def test_64_streaming_clients_with_a_quarter_disconnecting(served: Served) -> No
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    run_threads(client, 64)
     assert not errors
     assert texts == {i: expected[i] for i in range(64) if i % 4}
     assert served.wait_until_pool_whole(), "disconnected clients must free their blocks"

@@ -53,6 +53,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.windows = tuple(windows)
+        self.has_sliding_groups = any(window is not None for window in self.windows)
         self.max_blocks_per_request = max_blocks_per_request or pool.num_blocks
         self.enable_caching = enable_caching
         self._tables: dict[str, list[list[int]]] = {}
@@ -60,10 +61,6 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self._pending: dict[BlockHash, str] = {}
         self._owned: dict[str, list[BlockHash]] = {}
-
-    @property
-    def has_sliding_groups(self) -> bool:
-        return any(window is not None for window in self.windows)
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         tables = self._tables.get(request_id)
