@@ -21,6 +21,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest tests
@@ -29,4 +30,4 @@ bench: $(STAMP)
 	$(BIN)/contbatch bench --num-prompts 128 --max-new-tokens 128
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache demo_results.jsonl
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .import_linter_cache demo_results.jsonl

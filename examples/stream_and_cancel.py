@@ -8,8 +8,8 @@ from __future__ import annotations
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, continuous_batching_context_manager
-from contbatch.datasets import chat_inputs, load_prompts
-from contbatch.embedded import load_model_and_tokenizer
+from contbatch.data.embedded import load_model_and_tokenizer
+from contbatch.data.prompts import chat_inputs, load_prompts
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contbatch import bench_serve
-from contbatch.bench_serve import (
+from contbatch.bench import serve as bench_serve
+from contbatch.bench.serve import (
     PeerUnavailable,
     RequestResult,
     RunSummary,
@@ -165,7 +165,7 @@ def _free_port() -> int:
 
 
 def test_end_to_end_against_a_contbatch_server() -> None:
-    from contbatch.datasets import load_prompts
+    from contbatch.data.prompts import load_prompts
 
     port = _free_port()
     args = _bench_args("--num-prompts", "3", "--max-new-tokens", "4", "--rate", "10", "--threads", "1")

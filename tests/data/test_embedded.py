@@ -12,8 +12,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from contbatch import embedded
-from contbatch.bench import (
+from contbatch.bench.throughput import (
     BenchResult,
     count_until_eos,
     format_table,
@@ -21,7 +20,8 @@ from contbatch.bench import (
     run_static_generate,
     run_transformers_generate_batch,
 )
-from contbatch.datasets import GSM8K_TEST_PATH, chat_inputs, load_prompts
+from contbatch.data import embedded
+from contbatch.data.prompts import GSM8K_TEST_PATH, chat_inputs, load_prompts
 
 Loaded = tuple[PreTrainedModel, PreTrainedTokenizerBase, float]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.config import ContinuousBatchingConfig
 
 EosTokenId = int | Sequence[int] | None
 

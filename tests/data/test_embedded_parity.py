@@ -7,8 +7,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig, RequestStatus, generate_batch
-from contbatch.datasets import chat_inputs, load_prompts
-from contbatch.embedded import load_model_and_tokenizer
+from contbatch.data.embedded import load_model_and_tokenizer
+from contbatch.data.prompts import chat_inputs, load_prompts
 
 MAX_NEW_TOKENS = 40
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.bench import CB_ATTN_IMPLEMENTATION, BenchResult
-from contbatch.config import ContinuousBatchingConfig
-from contbatch.datasets import load_prompts
+from contbatch.bench.throughput import CB_ATTN_IMPLEMENTATION, BenchResult
+from contbatch.data.prompts import as_token_ids, load_prompts
 
 SYSTEM_PROMPT = (
     "You are a careful mathematics tutor for primary and secondary school students. For every question, first "
@@ -31,8 +31,7 @@ def shared_prefix_inputs(tokenizer: PreTrainedTokenizerBase, num_requests: int) 
     inputs = []
     for question in load_prompts(limit=num_requests):
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        inputs.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+        inputs.append(as_token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
     return inputs
 
 

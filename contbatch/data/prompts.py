@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent
 GSM8K_TEST_PATH = DATA_DIR / "gsm8k_test_socratic.jsonl"
 
 
@@ -66,9 +66,9 @@ def chat_inputs(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[
     gets plain tokenization (with its usual special tokens) instead. Returns one token-id list per prompt.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        return [_as_id_list(tokenizer(prompt)["input_ids"]) for prompt in prompts]
+        return [as_token_ids(tokenizer(prompt)["input_ids"]) for prompt in prompts]
     return [
-        _as_id_list(
+        as_token_ids(
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
@@ -77,7 +77,7 @@ def chat_inputs(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[
     ]
 
 
-def _as_id_list(encoded: Any) -> list[int]:
+def as_token_ids(encoded: Any) -> list[int]:
     """Normalize a tokenizer result to a flat list of ints.
 
     transformers 5 returns a BatchEncoding (a Mapping) from `apply_chat_template(tokenize=True)` where

@@ -230,7 +230,7 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
         return PeerSpec(name, command, env, BENCH_MODEL_ID)
     from transformers.utils.import_utils import is_serve_available
 
-    from contbatch.embedded import resolve_model_dir
+    from contbatch.data.embedded import resolve_model_dir
 
     if not is_serve_available():
         raise PeerUnavailable("`transformers serve` needs fastapi, uvicorn, pydantic and openai "
@@ -368,7 +368,7 @@ def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int,
 def run(args: argparse.Namespace) -> int:
     """The `contbatch bench --serve` command: benchmark each peer in turn, print (and write) the table.
     Returns 0 when at least one peer ran, else 1. Raises ValueError on invalid flags."""
-    from contbatch.datasets import load_prompts
+    from contbatch.data.prompts import load_prompts
 
     names = [name.strip() for name in args.peers.split(",") if name.strip()]
     if not names or set(names) - set(PEERS):

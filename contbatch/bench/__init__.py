@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput against transformers' engines, prefix-caching and GRPO workloads, online serving."""

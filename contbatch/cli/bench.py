@@ -1,0 +1,113 @@
+"""`contbatch bench`: offline throughput and workload benchmarks, or (`--serve`) an online serving benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from contbatch.cli.common import add_engine_flags, engine_config
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """Add the flags of `contbatch bench` to its subparser `bench`."""
+    bench.add_argument("--num-prompts", type=int, default=128, help="first N GSM8K test questions")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--static-batch-size", type=int, default=32)
+    bench.add_argument("--engines", default="contbatch,transformers,static",
+                       help="comma-separated subset of contbatch,transformers,static")
+    bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
+    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo"], default="throughput",
+                       help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
+                       "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
+                       "temperature 1.0, vs transformers' generate_batch")
+    bench.add_argument("--samples", type=int, default=8, help="--workload grpo: samples per prompt")
+    bench.add_argument("--serve", action="store_true",
+                       help="benchmark OpenAI-compatible servers under a Poisson request load instead")
+    bench.add_argument("--rate", type=float, default=2.0, help="--serve: mean requests/s (inf: all at once)")
+    bench.add_argument("--peers", default="contbatch", help="--serve: comma-separated subset of contbatch,transformers")
+    bench.add_argument("--port-base", type=int, default=8100, help="--serve: the i-th peer listens on port-base + i")
+    bench.add_argument("--seed", type=int, default=0, help="--serve: seed of the arrival schedule")
+    add_engine_flags(bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run `contbatch bench`: print (and with `--output` write) the result table; return the exit status 0.
+
+    Raises:
+        ValueError: `--engines` names no engine or an unknown one.
+    """
+    if args.serve:
+        from contbatch.bench import serve as bench_serve
+
+        return bench_serve.run(args)
+    if args.workload != "throughput":
+        return _bench_workload(args)
+    from contbatch.bench import throughput
+    from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
+    from contbatch.data.prompts import chat_inputs, load_prompts
+
+    engines = [name.strip() for name in args.engines.split(",") if name.strip()]
+    unknown = set(engines) - {"contbatch", "transformers", "static"}
+    if unknown or not engines:
+        raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among contbatch,transformers,static")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
+    print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), greedy, "
+          f"max_new_tokens={args.max_new_tokens}; {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
+          flush=True)
+    results = []
+    for name in engines:
+        if name == "contbatch":
+            result = throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, engine_config(args))
+        elif name == "transformers":
+            result = throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
+                                                                args.max_new_tokens, eos)
+        else:
+            result = throughput.run_static_generate(model, inputs, args.max_new_tokens, eos, pad,
+                                                    args.static_batch_size)
+        print(f"  {result.engine}: {result.wall_s:.1f} s, {result.generated_tok_s:.1f} generated tok/s", flush=True)
+        results.append(result)
+    num_params = sum(parameter.numel() for parameter in model.parameters())
+    table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    print("\n" + table)
+    if args.output:
+        Path(args.output).write_text(table + "\n")
+    return 0
+
+
+def _bench_workload(args: argparse.Namespace) -> int:
+    """Run `contbatch bench --workload prefix|grpo`: print (and with `--output` write) the workload's table."""
+    from contbatch.bench import throughput, workloads
+    from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
+    from contbatch.data.prompts import chat_inputs, load_prompts
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    if args.workload == "prefix":
+        inputs = workloads.shared_prefix_inputs(tokenizer, args.num_prompts)
+        runs = workloads.run_prefix_caching(model, inputs, args.max_new_tokens, eos, engine_config(args))
+        results = [result for result, _ in runs]
+        lines = [f"prompt tokens computed, {result.engine}: {computed} of {result.prompt_tokens}"
+                 for result, computed in runs]
+        title = (f"{len(inputs)} GSM8K prompts behind one system prompt ({sum(map(len, inputs))} prompt tokens), "
+                 f"greedy, max_new_tokens={args.max_new_tokens}")
+    else:
+        inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
+        peers = "transformers" in args.engines
+        results = workloads.run_grpo(model, str(resolve_model_dir(args.model)), inputs, args.samples,
+                                     args.max_new_tokens, eos, engine_config(args), peers)
+        lines = []
+        title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, temperature 1.0, "
+                 f"max_new_tokens={args.max_new_tokens}")
+    num_params = sum(parameter.numel() for parameter in model.parameters())
+    table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    text = "\n".join([f"workload: {title}", "", table, "", *lines])
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0

@@ -1,0 +1,32 @@
+"""Engine flags shared by the `contbatch` commands, and the engine configuration they describe."""
+
+from __future__ import annotations
+
+import argparse
+
+from contbatch import ContinuousBatchingConfig
+
+# Prefix caching shares whole blocks: with 256-token blocks a 200-token system prompt is never shared.
+CLI_BLOCK_SIZE = 16
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the engine flags to `parser`: `--model`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
+    `--scheduler` and `--threads`."""
+    parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
+                        "SmolLM2-135M-Instruct)")
+    parser.add_argument("--block-size", type=int, default=CLI_BLOCK_SIZE,
+                        help=f"tokens per KV-cache block (default {CLI_BLOCK_SIZE}: prefix caching shares whole "
+                        "blocks, and throughput is the same from 16 to 256 on CPU; the Python API keeps "
+                        "transformers' default of 256)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward pass")
+    parser.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The engine configuration named by the engine flags of `args` (see `add_engine_flags`)."""
+    values = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_batch_tokens": args.max_batch_tokens,
+              "scheduler_type": args.scheduler}
+    return ContinuousBatchingConfig.from_sources(None, values)

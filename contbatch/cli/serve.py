@@ -1,0 +1,45 @@
+"""`contbatch serve`: an OpenAI-compatible HTTP server over one engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from contbatch import ContinuousBatchingConfig
+from contbatch.cli.common import add_engine_flags, engine_config
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """Add the flags of `contbatch serve` to its subparser `serve`."""
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="reject larger request bodies (413)")
+    serve.add_argument("--max-queue-size", type=int, default=0, help="bound on waiting requests (0: none)")
+    serve.add_argument("--continuous-batching", action="store_true",
+                       help="accepted for compatibility with `transformers serve`; always on")
+    add_engine_flags(serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Run `contbatch serve` until the server shuts down (the engine is stopped on the way out); return 0."""
+    import uvicorn
+
+    from contbatch.data.embedded import load_model_and_tokenizer
+    from contbatch.entrypoints.openai.app import create_app
+    from contbatch.manager import ContinuousBatchingManager
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    config = ContinuousBatchingConfig.from_sources(engine_config(args), {"max_queue_size": args.max_queue_size})
+    name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+    # queue_timeout=0: with --max-queue-size, a full queue answers 503 at once instead of blocking the event loop.
+    manager = ContinuousBatchingManager(model, model.generation_config, config, queue_timeout=0.0,
+                                        tokenizer=tokenizer)
+    manager.start()
+    try:
+        uvicorn.run(create_app(manager, tokenizer, name, args.api_key, args.max_body_bytes), host=args.host,
+                    port=args.port, log_level="info")
+    finally:
+        manager.stop()
+    return 0

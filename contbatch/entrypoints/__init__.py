@@ -1,0 +1,1 @@
+"""Entry points into contbatch: the servers built on its public API."""

@@ -1,0 +1,1 @@
+"""Integrations with other tools; they use contbatch's public API only, never contbatch.engine."""
