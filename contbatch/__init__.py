@@ -7,16 +7,21 @@ from contbatch.api import (
     generate_batch,
     init_continuous_batching,
 )
-from contbatch.config import ContinuousBatchingConfig
+from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.engine import LLMEngine
+from contbatch.engine.sampling_params import SamplingParams
+from contbatch.frontend.async_client import AsyncClient, ChoiceOutput
+from contbatch.frontend.client import EngineClient
 from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, RequestStatus
-from contbatch.sampling_params import SamplingParams
 
 __all__ = [
+    "AsyncClient",
+    "ChoiceOutput",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "ContinuousMixin",
+    "EngineClient",
     "GenerationOutput",
     "LLMEngine",
     "RequestStatus",

@@ -11,7 +11,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
-from contbatch.config import ContinuousBatchingConfig
+from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.frontend.output_processor import RequestIds
 from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, RequestStatus
 
@@ -72,15 +73,15 @@ def _manager_for(model: PreTrainedModel, generation_config: GenerationConfig,
 def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], max_new_tokens: int | None,
          record_timestamps: bool, progress_bar: bool) -> dict[str, GenerationOutput]:
     n = manager.generation_config.num_return_sequences or 1
-    prompt_ids = [f"req_{index}" for index in range(len(inputs))]
-    request_ids = prompt_ids if n == 1 else [f"{rid}_{j}" for rid in prompt_ids for j in range(n)]
+    prompt_ids = [RequestIds.numbered(index) for index in range(len(inputs))]
+    request_ids = [rid for prompt_id in prompt_ids for rid in RequestIds.samples(prompt_id, n)]
     outputs: dict[str, GenerationOutput] = {}
     with tqdm(total=len(request_ids), desc="generate_batch", unit="req", disable=not progress_bar) as bar:
         for prompt_id, prompt in zip(prompt_ids, inputs, strict=True):
             try:
                 manager.add_request(prompt, prompt_id, max_new_tokens, record_timestamps=record_timestamps, n=n)
             except ValueError as error:
-                for request_id in [prompt_id] if n == 1 else [f"{prompt_id}_{j}" for j in range(n)]:
+                for request_id in RequestIds.samples(prompt_id, n):
                     outputs[request_id] = _failed_output(request_id, prompt, str(error))
                     bar.update(1)
         start, generated = time.perf_counter(), 0

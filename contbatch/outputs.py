@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from contbatch.engine.request import RequestStatus
 
-class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Terminal states compare greater than every live state.
-
-    PENDING -> PREFILLING -> DECODING -> FINISHED | FAILED | CANCELLED
-    """
-
-    PENDING = 0
-    PREFILLING = 1
-    DECODING = 2
-    FINISHED = 3
-    FAILED = 4
-    CANCELLED = 5
-
-    @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED
+__all__ = ["GenerationOutput", "RequestStatus"]
 
 
 @dataclass
@@ -34,7 +19,8 @@ class GenerationOutput:
         generated_tokens: the tokens generated so far (all of them once the status is terminal).
         logprobs: the log-probability of each generated token under the model's raw logits, when asked for.
         status: the request's status when this output was made.
-        finish_reason: "stop" (an EOS token), "length" (max_new_tokens), "cancelled" or "error"; None while running.
+        finish_reason: "stop" (an EOS token or a stop string), "length" (max_new_tokens), "cancelled" or
+            "error"; None while running.
         error: the error text of a FAILED request.
         top_logprobs: for each generated token, the request's `top_logprobs` most likely tokens at that step as
             (token id, log-probability), most likely first, when asked for.
@@ -43,6 +29,11 @@ class GenerationOutput:
         new_tokens: the tokens generated since this request's previous output (a streaming request gets an
             output per step; the concatenated `new_tokens` of its outputs equal the final `generated_tokens`).
         num_cached_tokens: how many prompt tokens came from the prefix cache instead of being computed.
+        text: the detokenized generation so far, cut before the first stop string, when the request was
+            submitted with text output (a client with a tokenizer); else None.
+        new_text: the part of `text` new since the previous output.
+        weights_version: the engine's weights version when this output was made (see
+            `ContinuousBatchingManager.mark_weights_updated`).
     """
 
     request_id: str
@@ -57,6 +48,9 @@ class GenerationOutput:
     timestamps: list[float] | None = None
     new_tokens: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    text: str | None = None
+    new_text: str = ""
+    weights_version: int = 0
 
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
-from contbatch.engine.request import Request
+from contbatch.frontend.output_processor import OutputCollector
+from contbatch.outputs import GenerationOutput
 
 VOCAB = 256
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -78,16 +79,15 @@ def reference_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens
     return _REFERENCES[key]
 
 
-def run_engine(engine: LLMEngine) -> dict[str, Request]:
-    """Steps `engine` until idle; returns every finished request by id. Asserts the cache is whole afterwards."""
-    finished: dict[str, Request] = {}
+def run_engine(engine: LLMEngine) -> dict[str, GenerationOutput]:
+    """Steps `engine` until idle; returns the output of every finished request by id. Asserts the cache is whole
+    afterwards."""
+    collector = OutputCollector()
     while engine.has_unfinished_requests():
-        for request in engine.step():
-            if request.is_finished:
-                finished[request.request_id] = request
+        collector.add(engine.step())
     engine.check_integrity()
     assert engine.block_pool.is_whole
-    return finished
+    return collector.finished
 
 
 def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:

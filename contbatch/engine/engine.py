@@ -1,10 +1,8 @@
-"""`LLMEngine`: one step is schedule -> run the model -> sample -> update. Single-threaded and deterministic;
-everything else (generate_batch, the manager, the server) wraps it."""
+"""`LLMEngine`: one step is schedule -> forward -> sample -> update. Single-threaded and deterministic;
+everything else (the engine thread, the clients, the server) wraps it."""
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -12,8 +10,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from contbatch.config import ContinuousBatchingConfig
+from contbatch.engine.batch import ScheduledRequest
 from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.kv_cache import (
     KVCacheSpec,
     PagedKVCache,
@@ -23,11 +22,11 @@ from contbatch.engine.kv_cache import (
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
-from contbatch.engine.request import Request
-from contbatch.engine.sampler import Sampler
+from contbatch.engine.outputs import EngineStats, RequestDelta
+from contbatch.engine.request import Request, RequestStatus
+from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
-from contbatch.outputs import RequestStatus
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.weights import WeightsFingerprint
 
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 
@@ -36,8 +35,14 @@ class LLMEngine:
     """Continuous batching over a stock transformers causal LM.
 
     `add_request` validates and queues a request (raising ValueError naming the request and the bad value);
-    `step` runs one forward over every request that can make progress and returns the requests that produced a
-    token. A failure inside a step fails the requests of that step only; the engine keeps serving.
+    `fork` adds a request that continues another's sequence sharing its KV blocks; `step` runs one forward over
+    every request that can make progress and returns one immutable `RequestDelta` per request that produced a
+    token or went through an event. A failure inside a step fails the requests of that step only; the engine
+    keeps serving.
+
+    Weights: KV computed with old weights must never be reused. `check_weights()` detects changed weights
+    (see `WeightsFingerprint` for the writes it cannot see) and `mark_weights_updated()` is the explicit
+    signal; either empties the prefix cache and bumps `weights_version`.
     """
 
     def __init__(
@@ -64,15 +69,13 @@ class LLMEngine:
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
         self.model_runner = ModelRunner(model, self.cache)
-        self.sampler = Sampler()
+        self.sampler = self.model_runner.sampler
         self.device = device
         text_config = model.config.get_text_config()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
-        self.requests: dict[str, Request] = {}
-        self._request_ids = itertools.count()
         self.model = model
-        self._weights = weights_fingerprint(model)
+        self._weights = WeightsFingerprint.of(model)
         self.num_scheduled_tokens_total = 0
 
     def close(self) -> None:
@@ -85,22 +88,29 @@ class LLMEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request by id (read-only: owned by the scheduler)."""
+        return self.scheduler.requests
+
+    @property
+    def weights_version(self) -> int:
+        """Bumped each time the weights are known to have changed."""
+        return self.scheduler.weights_version
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def add_request(
         self,
         input_ids: Sequence[int] | torch.Tensor,
-        request_id: str | None = None,
+        request_id: str,
         max_new_tokens: int | None = None,
-        record_timestamps: bool = False,
         **sampling: Any,
     ) -> str:
         """Queues a request; returns its id. `sampling` overrides the generation config per request (keys of
         `SamplingParams`, or `eos_token_id`). Raises ValueError naming the request and the bad value."""
-        request_id = f"req_{next(self._request_ids)}" if request_id is None else request_id
-        request = self.make_request(input_ids, request_id, max_new_tokens, record_timestamps, **sampling)
-        self.add(request)
+        self.add(self.make_request(input_ids, request_id, max_new_tokens, **sampling))
         return request_id
 
     def make_request(
@@ -108,7 +118,6 @@ class LLMEngine:
         input_ids: Sequence[int] | torch.Tensor,
         request_id: str,
         max_new_tokens: int | None = None,
-        record_timestamps: bool = False,
         **sampling: Any,
     ) -> Request:
         """A validated request, not queued yet. Reads only the engine's fixed settings, so any thread may call
@@ -124,22 +133,33 @@ class LLMEngine:
         if self.config.return_logprobs and not params.logprobs:
             params = replace(params, logprobs=True)
         prompt = self._validate_prompt(request_id, input_ids, params)
-        request = Request(request_id, prompt, params, record_timestamps=record_timestamps)
+        request = Request(request_id, prompt, params)
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         return request
 
-    def add(self, request: Request, leader: Request | None = None) -> None:
-        """Queues a request made by `make_request`. With `leader` (an earlier request of this engine with the same
-        prompt: n samples of one prompt), it shares the leader's prefill. Raises ValueError if its id is already
-        queued or running."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
-        if leader is not None and self.requests.get(leader.request_id) is leader \
-                and leader.prompt_ids == request.prompt_ids:
-            request.leader = leader
-        self.requests[request.request_id] = request
+    def add(self, request: Request) -> None:
+        """Queues a request made by `make_request`. Raises ValueError if its id is already queued or running."""
+        self._check_new_id(request.request_id)
         self.scheduler.add_request(request)
+
+    def fork(self, parent_id: str, child: Request) -> None:
+        """Adds `child`, made by `make_request` with the prompt `self.requests[parent_id].token_ids` (the parent's
+        whole sequence so far), sharing the KV blocks the parent computed (copy-on-write): n samples of a prompt
+        fork before the first token and share its prefill; a fork later (beams) shares everything computed.
+        Raises ValueError for an unknown or finished parent, a duplicate id, or a prompt that is not the parent's
+        sequence."""
+        parent = self.requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"request {child.request_id!r}: cannot fork from {parent_id!r}, which is not running")
+        if child.prompt_ids != parent.token_ids:
+            raise ValueError(f"request {child.request_id!r}: a fork's prompt must be {parent_id!r}'s token sequence")
+        self._check_new_id(child.request_id)
+        self.scheduler.fork(parent, child)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r}: a request with this id is already running")
 
     def _validate_prompt(self, request_id: str, input_ids: Sequence[int] | torch.Tensor,
                          params: SamplingParams) -> list[int]:
@@ -176,84 +196,65 @@ class LLMEngine:
             )
         return list(input_ids)
 
-    def cancel_request(self, request_id: str) -> Request | None:
-        """Cancels a queued or running request and frees its blocks; unknown or finished ids are ignored."""
-        request = self.scheduler.cancel(request_id)
-        if request is not None:
-            self.requests.pop(request_id, None)
-        return request
+    def cancel_request(self, request_id: str) -> RequestDelta | None:
+        """Cancels a queued or running request and frees its blocks; returns its final delta. Unknown or
+        finished ids are ignored (None)."""
+        return self.scheduler.cancel(request_id)
 
-    def step(self) -> list[Request]:
-        """Runs one step; returns the requests that produced a token or failed in it."""
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
+    def step(self) -> list[RequestDelta]:
+        """Runs one step: schedule -> forward -> sample -> update. Returns the deltas of the requests that
+        produced a token or went through an event; a failing forward or sampler fails this step's requests."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
             return self._fail_unschedulable()
-        self.num_scheduled_tokens_total += batch.total_num_scheduled_tokens
+        self.num_scheduled_tokens_total += scheduler_output.total_num_scheduled_tokens
         try:
-            logits = self.model_runner.execute(batch, self.kv_manager)
-            sampling = batch.sampling_requests
-            if len(sampling) != logits.shape[0]:  # n samples of a prompt share its logits row
-                logits = logits[torch.tensor(batch.sampling_rows, device=logits.device)]
-            sampled = self.sampler.sample(
-                logits, [r.params for r in sampling], [r.generator for r in sampling]
-            )
+            logits = self.model_runner.execute(scheduler_output)
+            runner_output = self.model_runner.sample(logits, scheduler_output)
         except Exception as error:  # a failing batch fails its own requests, never the engine
-            self.scheduler.finish_requests(batch.requests, RequestStatus.FAILED, "error",
-                                           f"{type(error).__name__}: {error}")
-            return self._retire(batch.requests)
-        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        top = None
-        if sampled.top_logprobs is not None:
-            values, ids = sampled.top_logprobs
-            top = [list(zip(row_ids, row_values, strict=True))
-                   for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
-        produced = self.scheduler.update(batch, sampled.token_ids.tolist(), logprobs, time.time(), top)
-        return self._retire(produced)
+            return self._fail_batch(scheduler_output.requests, f"{type(error).__name__}: {error}")
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def _fail_unschedulable(self) -> list[Request]:
+    def _fail_batch(self, scheduled: list[ScheduledRequest], error: str) -> list[RequestDelta]:
+        requests = [self.requests[entry.request_id] for entry in scheduled]
+        return self.scheduler.finish_requests(requests, RequestStatus.FAILED, "error", error)
+
+    def _fail_unschedulable(self) -> list[RequestDelta]:
         """With nothing running and the whole cache free, a waiting request that still cannot start never will:
         it fails alone instead of stalling the engine (validation at admission makes this a last resort)."""
         scheduler = self.scheduler
         if scheduler.running or not scheduler.waiting or not self.block_pool.is_whole:
             return []
         request = scheduler.waiting[0]
-        scheduler.finish_requests([request], RequestStatus.FAILED, "error",
-                                  f"request {request.request_id!r} cannot fit in the KV cache even alone")
-        return self._retire([request])
+        return scheduler.finish_requests([request], RequestStatus.FAILED, "error",
+                                         f"request {request.request_id!r} cannot fit in the KV cache even alone")
 
-    def _retire(self, requests: list[Request]) -> list[Request]:
-        for request in requests:
-            if request.is_finished:
-                self.requests.pop(request.request_id, None)
-        return requests
+    def stats(self) -> EngineStats:
+        pool = self.block_pool
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           1.0 - pool.num_free_blocks / pool.num_blocks)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix: nothing computed so far is shared with later requests."""
         self.kv_manager.reset_prefix_cache()
 
     def check_weights(self) -> bool:
-        """Resets the prefix cache if the model's weights changed since the last check (KV computed with the
-        old weights must never be reused). Returns whether they changed."""
-        weights = weights_fingerprint(self.model)
-        changed = weights != self._weights
+        """Treats the weights as updated (`mark_weights_updated`) if they changed since the last check or mark.
+        Returns whether they changed. Costs one pass over the parameters: call it between runs, not per step."""
+        changed = not self._weights.matches(self.model)
         if changed:
-            self.reset_prefix_cache()
-            self._weights = weights
+            self.mark_weights_updated()
         return changed
+
+    def mark_weights_updated(self) -> None:
+        """The signal that the weights changed: nothing computed before is shared with later requests, and
+        `weights_version` goes up. Running requests keep the KV they computed."""
+        self.reset_prefix_cache()
+        self.scheduler.weights_version += 1
+        self._weights = WeightsFingerprint.of(self.model)
 
     def check_integrity(self) -> None:
         """Cache bookkeeping invariants; call when idle to also check that nothing leaked."""
         self.kv_manager.check_integrity()
         if not self.has_unfinished_requests():
             assert self.block_pool.is_whole, "blocks leaked: the pool is not whole while the engine is idle"
-
-
-def weights_fingerprint(model: PreTrainedModel) -> tuple[tuple[int, int], ...]:
-    """Identifies the current weights: each parameter's storage, its in-place version counter (bumped by
-    optimizer steps and `load_state_dict`), and a checksum of a few of its values (which also catches writes
-    through `.data`, which bypass the version counter)."""
-    parameters = list(model.parameters())
-    with torch.no_grad():
-        samples = torch.stack([p.reshape(-1)[:: max(1, p.numel() // 8)][:8].float().sum() for p in parameters])
-    checksums = samples.tolist()
-    return tuple((p.data_ptr(), p._version, hash(c)) for p, c in zip(parameters, checksums, strict=True))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from contbatch.engine.attention_types import FullAttention, attention_policy
 from contbatch.engine.block_pool import BlockHash, BlockPool
 from contbatch.engine.request import Request
 
@@ -37,9 +39,9 @@ class KVCacheManager:
 
     A request has one block table per layer group (`windows[g]` is group g's sliding window, None for full
     attention); all its tables have the same length. Token `i` lives at offset `i % block_size` of block
-    `table[i // block_size]` of every group. In a sliding group, blocks holding only tokens that every future
-    query is past the window of are given back at once and their entries become DEAD_BLOCK, so such a group
-    holds about `window / block_size + 1` blocks however long the request grows.
+    `table[i // block_size]` of every group. What depends on the kind of attention is asked of the group's
+    policy (`attention_types`): blocks no future query can see are given back at once and their entries become
+    DEAD_BLOCK (a sliding group holds about `window / block_size + 1` blocks however long the request grows).
 
     With caching on, every block a request fills is registered, once computed, under the hash of its prefix
     (and its group); a new request starts with the longest cached prefix of its tokens (shared, ref-counted
@@ -53,7 +55,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.windows = tuple(windows)
-        self.has_sliding_groups = any(window is not None for window in self.windows)
+        self.policies: tuple[FullAttention, ...] = tuple(attention_policy(block_size, w) for w in self.windows)
+        self.frees_blocks = any(policy.sliding_window is not None for policy in self.policies)
         self.max_blocks_per_request = max_blocks_per_request or pool.num_blocks
         self.enable_caching = enable_caching
         self._tables: dict[str, list[list[int]]] = {}
@@ -70,15 +73,16 @@ class KVCacheManager:
         """One table per group, all of the same length."""
         return self._tables.get(request_id) or [[] for _ in self.windows]
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` holds blocks (it was admitted and is neither preempted nor freed)."""
+        return request_id in self._tables
+
     # --- capacity ----------------------------------------------------------------------------------------------
 
     def blocks_needed_alone(self, num_tokens: int, max_chunk: int) -> list[int]:
         """Per group, the most blocks a request that grows to `num_tokens` tokens, computing at most `max_chunk`
-        a step, holds at once: every block in a full-attention group; in a sliding group, the window before a
-        chunk, the chunk, and a partial block at each end."""
-        blocks = -(-num_tokens // self.block_size)
-        return [blocks if window is None else min(blocks, -(-(window - 1 + max_chunk) // self.block_size) + 1)
-                for window in self.windows]
+        a step, holds at once."""
+        return [policy.max_blocks_held(num_tokens, max_chunk) for policy in self.policies]
 
     def can_ever_hold(self, num_tokens: int, max_chunk: int) -> bool:
         """Whether a request growing to `num_tokens` tokens fits in the cache when it runs alone."""
@@ -147,49 +151,24 @@ class KVCacheManager:
 
     def cached_prefix(self, request: Request) -> PrefixHit | None:
         """The longest cached prefix of `request`'s tokens, leaving at least its last token to be computed (its
-        logits are needed), or None. A full-attention group needs every block of the prefix cached; a sliding
-        group only those in the window of the first token computed after it."""
+        logits are needed), or None. Every group must have the blocks of the prefix its policy says the first
+        query after it can see (all of them for full attention, those in the window for a sliding group)."""
         if not self.enable_caching:
             return None
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
-        num_blocks = len(hashes)
-        full: list[list[int]] = []
-        for group, window in enumerate(self.windows):
-            if window is None:
-                table = self._lookup(hashes[:num_blocks], group)
-                num_blocks = len(table)
-                full.append(table)
-        for length in range(num_blocks, 0, -1):
-            tables = self._window_hit(hashes, length)
-            if tables is not None:
-                full_tables = iter(full)
+        found = [self._lookup(hashes, group) for group in range(len(self.policies))]
+        missing = [list(itertools.accumulate((block is None for block in blocks), initial=0)) for blocks in found]
+        for length in range(len(hashes), 0, -1):
+            firsts = [policy.first_needed_block(length) for policy in self.policies]
+            if all(missing[g][length] == missing[g][first] for g, first in enumerate(firsts)):
                 return PrefixHit(length, tuple(
-                    tuple(next(full_tables)[:length]) if window is None else tables[group]
-                    for group, window in enumerate(self.windows)))
+                    (DEAD_BLOCK,) * first + tuple(found[g][first:length])  # type: ignore[arg-type]
+                    for g, first in enumerate(firsts)))
         return None
 
-    def _window_hit(self, hashes: list[BlockHash], length: int) -> dict[int, tuple[int, ...]] | None:
-        """The tables of the sliding groups for a prefix of `length` blocks, or None if a block is missing."""
-        tables = {}
-        for group, window in enumerate(self.windows):
-            if window is None:
-                continue
-            first = max(0, length * self.block_size - window + 1) // self.block_size
-            table = self._lookup(hashes[first:length], group)
-            if len(table) < length - first:
-                return None
-            tables[group] = (DEAD_BLOCK,) * first + tuple(table)
-        return tables
-
-    def _lookup(self, hashes: Sequence[BlockHash], group: int) -> list[int]:
-        """The cached blocks of `group` for the leading run of `hashes` found in the cache."""
-        blocks = []
-        for block_hash in hashes:
-            block_id = self.pool.lookup(_group_key(block_hash, group))
-            if block_id is None:
-                break
-            blocks.append(block_id)
-        return blocks
+    def _lookup(self, hashes: Sequence[BlockHash], group: int) -> list[int | None]:
+        """The cached block of `group` for each of `hashes`, None where it is not cached."""
+        return [self.pool.lookup(_group_key(block_hash, group)) for block_hash in hashes]
 
     def is_being_computed(self, request: Request, num_cached_blocks: int) -> bool:
         """True when the first block `request` would compute is being computed right now by another running
@@ -236,19 +215,16 @@ class KVCacheManager:
                 del self._pending[block_hash]
         self._num_registered[request.request_id] = full
 
-    def free_out_of_window(self, request: Request) -> None:
-        """Gives back the blocks of `request`'s sliding groups that no future query can see: the next query, at
-        position `num_computed_tokens`, sees keys from `num_computed_tokens - window + 1` on."""
+    def free_unreachable(self, request: Request) -> None:
+        """Gives back the blocks of `request` that no future query can see (the next query is at position
+        `num_computed_tokens`); their entries become DEAD_BLOCK."""
         tables = self._tables.get(request.request_id)
-        if tables is None or not self.has_sliding_groups:
+        if tables is None or not self.frees_blocks:
             return
         num_dead = self._num_dead[request.request_id]
-        for group, window in enumerate(self.windows):
-            if window is None:
-                continue
+        for group, policy in enumerate(self.policies):
             table = tables[group]
-            first_visible = request.num_computed_tokens - window + 1
-            dead = min(max(0, first_visible) // self.block_size, len(table))
+            dead = min(policy.num_unreachable_blocks(request.num_computed_tokens), len(table))
             start = num_dead[group]
             if dead > start:
                 self.pool.free(block_id for block_id in reversed(table[start:dead]) if block_id != DEAD_BLOCK)

@@ -14,22 +14,26 @@ from contbatch.engine.attention import (
 )
 from contbatch.engine.batch import SchedulerOutput
 from contbatch.engine.kv_cache import PagedKVCache
-from contbatch.engine.kv_cache_manager import KVCacheManager
+from contbatch.engine.outputs import ModelRunnerOutput
+from contbatch.engine.sampler import Sampler
 
 
 class ModelRunner:
-    """Runs `model` with contbatch's paged attention.
+    """Runs `model` with contbatch's paged attention, then samples.
 
     While the runner is attached the model's attention implementation is contbatch's; `close()` restores the one
     it had. Every step is one forward over one packed, ragged batch (`[1, num_tokens]`, no padding between
-    requests), and logits are computed only at the positions that sample.
+    requests), and logits are computed only at the positions that sample (`execute`); sampling is a separate
+    stage (`sample`), so a logits mask can come between the two.
     """
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
         # sliding groups leave DEAD_BLOCK entries in block tables
-        self.has_dead_blocks = any(group.sliding_window is not None for group in cache.groups)
+        self.windows = tuple(group.sliding_window for group in cache.groups)
+        self.has_dead_blocks = any(window is not None for window in self.windows)
+        self.sampler = Sampler()
         self.device = cache.keys[0].device
         self._previous_attention: str | None = None
         self.attach()
@@ -47,11 +51,11 @@ class ModelRunner:
             self._previous_attention = None
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor:
-        """Computes the batch's tokens into the cache; returns the logits [num sampling requests, vocab] of the
-        requests that sample, in batch order."""
-        input_ids, positions, logits_indices, metadata = self.prepare(batch, kv_manager)
-        self.cache.copy_blocks(batch.block_copies)
+    def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Computes the batch's tokens into the cache; returns the logits [scheduled requests that sample,
+        vocab], in batch order."""
+        input_ids, positions, logits_indices, metadata = self.prepare(scheduler_output)
+        self.cache.copy_blocks(scheduler_output.block_copies)
         output = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -61,37 +65,59 @@ class ModelRunner:
         )
         return output.logits[0]
 
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, scheduler_output: SchedulerOutput,
+               logits_mask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        """Chooses the token of every sampling target of the step from `logits` (as returned by `execute`).
+        `logits_mask` ([targets, vocab] bool, True = allowed), when given, removes tokens before sampling (the
+        hook for grammar bitmasks)."""
+        targets = scheduler_output.sampling_targets
+        if len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
+            logits = logits[torch.tensor(scheduler_output.sampling_rows, device=logits.device)]
+        if logits_mask is not None:
+            logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
+        sampled = self.sampler.sample(logits, [t.params for t in targets], [t.generator for t in targets])
+        top = None
+        if sampled.top_logprobs is not None:
+            values, ids = sampled.top_logprobs
+            top = [tuple(zip(row_ids, row_values, strict=True))
+                   for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
+        return ModelRunnerOutput(
+            request_ids=[target.request_id for target in targets],
+            sampled_token_ids=sampled.token_ids.tolist(),
+            logprobs=sampled.logprobs.tolist() if sampled.logprobs is not None else None,
+            top_logprobs=top,
+        )
+
     def prepare(
-        self, batch: SchedulerOutput, kv_manager: KVCacheManager
+        self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         """Builds input ids, positions, the indices of the sampling tokens and the attention metadata with tensor
-        ops over the whole batch: the only per-request Python work is slicing its tokens and block table."""
+        ops over the whole batch: the only per-request Python work is reading its tokens and block tables."""
         block_size = self.cache.block_size
-        requests = batch.requests
-        token_ids: list[int] = []
-        for request, count in zip(requests, batch.num_scheduled_tokens, strict=True):
-            token_ids.extend(request.token_ids[request.num_computed_tokens:request.num_computed_tokens + count])
-        tables = [kv_manager.block_tables(request.request_id) for request in requests]
-        width = max(len(request_tables[0]) for request_tables in tables)
+        scheduled = scheduler_output.requests
+        token_ids = [token for entry in scheduled for token in entry.token_ids]
+        width = max(len(entry.block_tables[0]) for entry in scheduled)
         # [groups, requests, width]: every group's tables of one request have the same length
         block_tables = torch.tensor([
-            [table + [0] * (width - len(table)) for table in request_tables] for request_tables in tables
+            [list(table) + [0] * (width - len(table)) for table in entry.block_tables] for entry in scheduled
         ]).transpose(0, 1)
         if self.has_dead_blocks:
             # Blocks left behind by a sliding window are masked but still gathered: point them at a live block.
             first_live = block_tables.gather(2, (block_tables >= 0).int().argmax(2, keepdim=True))
             block_tables = torch.where(block_tables < 0, first_live, block_tables)
-        counts = torch.tensor(batch.num_scheduled_tokens)
-        starts = torch.tensor([request.num_computed_tokens for request in requests])
+        counts = torch.tensor([len(entry.token_ids) for entry in scheduled])
+        starts = torch.tensor([entry.num_computed_tokens for entry in scheduled])
         offsets = torch.cumsum(counts, 0) - counts
-        request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
+        request_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), counts)
         positions = torch.arange(len(token_ids)) - offsets[request_of_token] + starts[request_of_token]
         slot_mapping = block_tables[:, request_of_token, positions // block_size] * block_size + positions % block_size
-        logits_indices = (offsets + counts - 1)[torch.tensor(batch.sampling, dtype=torch.bool)]
+        samples = torch.tensor([bool(entry.samplers) for entry in scheduled], dtype=torch.bool)
+        logits_indices = (offsets + counts - 1)[samples]
         single = counts == 1
         groups = [
             _attention_group(members.nonzero().squeeze(1), counts, starts, offsets, block_tables, block_size,
-                             kv_manager.windows)
+                             self.windows)
             for members in (single, ~single)
             if bool(members.any())
         ]

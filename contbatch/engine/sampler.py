@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,104 +7,160 @@ prompt longer than the remaining budget is computed in chunks over several steps
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
-from contbatch.engine.batch import SchedulerOutput
+from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.request import Request
-from contbatch.outputs import RequestStatus
+from contbatch.engine.outputs import EventType, ModelRunnerOutput, RequestDelta, RequestEvent, TopLogprobs
+from contbatch.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list.
+    """Owns every unfinished request: the waiting queue, the running list, and requests waiting on a fork.
 
-    Policies (`scheduler_type`):
+    Policies (`policy`):
       - "fifo": running requests first, in admission order, then waiting requests in arrival order;
       - "prefill_first": waiting requests are admitted first, running requests share what budget is left.
 
-    n samples of one prompt: a request whose `leader` has not sampled yet waits beside it (a follower) instead
-    of in the queue; the step that completes the leader's prompt samples the followers' first tokens from the
-    same logits and forks the leader's blocks to them. If the leader ends before that, the first follower
-    becomes the leader of the others and joins the queue.
+    Fork (`fork`): a child forked from a parent whose prompt is not computed yet waits beside it (a follower);
+    the step that completes the parent's prompt samples the followers' first tokens from the same logits and
+    forks the parent's blocks to them. If the parent ends before that, its first follower takes its place.
+    A child forked later starts from the parent's whole sequence, sharing its blocks at once.
 
     Memory: blocks are allocated as tokens are scheduled. When a running request cannot get a block, the most
     recently admitted running request is preempted (its blocks are freed, its generated tokens kept, and it
     waits at the head of the queue to be recomputed), so no request fails because others hold the memory.
+
+    Outputs: `update_from_output` and the finishing methods return `RequestDelta`s: new tokens, status and the
+    events (queued, scheduled, preempted, finished) each request went through since its previous delta.
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_batch_tokens: int, policy: str = "fifo") -> None:
         self.kv_manager = kv_manager
         self.max_batch_tokens = max_batch_tokens
         self.policy = policy
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.weights_version = 0
         self._followers: dict[str, list[Request]] = {}
-
-    def add_request(self, request: Request) -> None:
-        leader = request.leader
-        if leader is not None and not leader.is_finished and leader.num_generated_tokens == 0:
-            self._followers.setdefault(leader.request_id, []).append(request)
-        else:
-            self.waiting.append(request)
+        self._events: dict[str, list[RequestEvent]] = {}
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(map(len, self._followers.values()))
+        return len(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request (its id must not be in use)."""
+        self._register(request)
+        self.waiting.append(request)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Adds `child`, whose prompt is `parent`'s whole token sequence, sharing what `parent` computed.
+
+        Before `parent` has sampled its first token, `child` waits for `parent`'s prompt and samples its first
+        token from the same logits row (n samples of a prompt: one prefill). After, `child` shares `parent`'s
+        blocks at once (copy-on-write) and computes only `parent`'s last sampled token itself; a `parent` that
+        holds no blocks (preempted) just has its sequence copied.
+        """
+        while parent.leader is not None:
+            parent = parent.leader
+        self._register(child)
+        if parent.num_generated_tokens == 0:
+            child.leader = parent
+            self._followers.setdefault(parent.request_id, []).append(child)
+        elif self.kv_manager.holds(parent.request_id):
+            self._start_forked(parent, child)
+        else:
+            self.waiting.append(child)
+
+    def _register(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._event(request, EventType.QUEUED)
+
+    def _event(self, request: Request, kind: EventType) -> None:
+        self._events.setdefault(request.request_id, []).append(RequestEvent(kind, time.time()))
+
+    def _start_forked(self, parent: Request, child: Request) -> None:
+        """Runs `child` from `parent`'s computed tokens, sharing its blocks."""
+        self.kv_manager.fork(parent, child)
+        child.leader = None
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = min(parent.num_computed_tokens, child.num_prompt_tokens)
+        child.status = RequestStatus.PREFILLING
+        self.running.append(child)
+        self._event(child, EventType.SCHEDULED)
+
+    # --- scheduling ------------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's batch and allocates the blocks its tokens need."""
-        batch = SchedulerOutput()
+        output = SchedulerOutput()
         budget = self.max_batch_tokens
         if self.policy == "prefill_first":
-            budget = self._admit_waiting(batch, budget)
-            self._schedule_running(batch, budget)
+            budget = self._admit_waiting(output, budget)
+            self._schedule_running(output, budget)
         else:
-            budget = self._schedule_running(batch, budget)
-            self._admit_waiting(batch, budget)
-        return batch
+            budget = self._schedule_running(output, budget)
+            self._admit_waiting(output, budget)
+        return output
 
-    def _schedule_running(self, batch: SchedulerOutput, budget: int) -> int:
-        """Schedules the running requests that are not in `batch` yet, oldest first."""
-        scheduled = {id(request) for request in batch.requests}
+    def _add_to_batch(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        start = request.num_computed_tokens
+        samplers = ()
+        if start + num_tokens == request.num_tokens:
+            followers = self._followers.get(request.request_id, ())
+            samplers = (request.sampling_target, *(follower.sampling_target for follower in followers))
+        output.requests.append(ScheduledRequest(
+            request.request_id, request.token_ids[start:start + num_tokens], start,
+            self.kv_manager.block_tables(request.request_id), samplers,
+        ))
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Schedules the running requests that are not in `output` yet, oldest first."""
+        scheduled = {scheduled.request_id for scheduled in output.requests}
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status == RequestStatus.PENDING or id(request) in scheduled:
+            if request.status == RequestStatus.PENDING or request.request_id in scheduled:
                 continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, request.num_computed_tokens + num_tokens, batch, scheduled):
+            if not self._make_room(request, request.num_computed_tokens + num_tokens, output, scheduled):
                 continue
-            batch.block_copies += self.kv_manager.allocate_slots(request, request.num_computed_tokens + num_tokens)
-            batch.add(request, num_tokens, self._followers.get(request.request_id))
-            scheduled.add(id(request))
+            output.block_copies += self.kv_manager.allocate_slots(request, request.num_computed_tokens + num_tokens)
+            self._add_to_batch(output, request, num_tokens)
+            scheduled.add(request.request_id)
             budget -= num_tokens
         return budget
 
-    def _make_room(self, request: Request, num_tokens: int, batch: SchedulerOutput, scheduled: set[int]) -> bool:
+    def _make_room(self, request: Request, num_tokens: int, output: SchedulerOutput, scheduled: set[str]) -> bool:
         """Preempts the newest unscheduled requests until `request` can hold `num_tokens`. False when
         `request` itself had to be preempted."""
         while not self.kv_manager.can_allocate(request, num_tokens):
-            victim = self._preempt_newest(batch, scheduled)
+            victim = self._preempt_newest(output, scheduled)
             if victim is None or victim is request:
                 return False
         return True
 
-    def _preempt_newest(self, batch: SchedulerOutput, scheduled: set[int]) -> Request | None:
-        """Preempts the most recently admitted running request that is not already in `batch`."""
+    def _preempt_newest(self, output: SchedulerOutput, scheduled: set[str]) -> Request | None:
+        """Preempts the most recently admitted running request that is not already in `output`."""
         for position in range(len(self.running) - 1, -1, -1):
             victim = self.running[position]
-            if id(victim) in scheduled:
+            if victim.request_id in scheduled:
                 continue
             del self.running[position]
             self.kv_manager.free(victim.request_id)
             victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
             victim.status = RequestStatus.PENDING
             self.waiting.appendleft(victim)
-            batch.preempted.append(victim)
+            output.preempted_req_ids.append(victim.request_id)
+            self._event(victim, EventType.PREEMPTED)
             return victim
         return None
 
-    def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
         """Admits waiting requests in order while the budget and the free blocks allow (head-of-line: a request
         that does not fit yet stops admission, so arrival order is kept). A request starts from its longest
         cached prefix; one whose next block another request is computing right now is skipped for this step,
@@ -124,84 +180,107 @@ class Scheduler:
                 break
             kv.start_with_prefix(request, hit)
             request.num_computed_tokens = num_cached
-            batch.block_copies += kv.allocate_slots(request, num_cached + num_tokens)
+            output.block_copies += kv.allocate_slots(request, num_cached + num_tokens)
             if request.num_generated_tokens == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
-            batch.add(request, num_tokens, self._followers.get(request.request_id))
+            self._event(request, EventType.SCHEDULED)
+            self._add_to_batch(output, request, num_tokens)
             budget -= num_tokens
         self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def update(self, batch: SchedulerOutput, sampled: list[int], logprobs: list[float] | None, now: float,
-               top_logprobs: list[list[tuple[int, float]]] | None = None) -> list[Request]:
-        """Advances every request of `batch` by its scheduled tokens and appends the sampled tokens (one per
-        request of `batch.sampling_requests`, in that order, with their logprobs and top alternatives when given);
-        followers are forked from their leader first. Returns the requests that produced a token, finished or
-        not; finished ones leave the running list and give back their blocks."""
-        produced: list[Request] = []
-        sample_index = 0
-        for index, request in enumerate(batch.requests):
-            request.num_computed_tokens += batch.num_scheduled_tokens[index]
-            self.kv_manager.cache_computed_blocks(request)
-            self.kv_manager.free_out_of_window(request)
-            if not batch.sampling[index]:
-                continue
-            samplers = [request, *batch.followers.get(index, ())]
-            if request.is_finished:
-                sample_index += len(samplers)
-                continue
-            for follower in samplers[1:]:
-                self._fork(request, follower)
-            for sampler in samplers:
-                logprob = logprobs[sample_index] if logprobs is not None and sampler.params.wants_logprobs else None
-                top = None
-                if top_logprobs is not None and sampler.params.top_logprobs:
-                    top = top_logprobs[sample_index][: sampler.params.top_logprobs]
-                sampler.append_token(sampled[sample_index], logprob, now, top)
-                produced.append(sampler)
-                sample_index += 1
-        self._drop_finished()
-        return produced
+    # --- results ---------------------------------------------------------------------------------------------
 
-    def _fork(self, leader: Request, follower: Request) -> None:
-        """Starts `follower` from `leader`'s just computed prompt, sharing its blocks."""
-        followers = self._followers.get(leader.request_id, [])
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
+        """Advances every request of `output` by its scheduled tokens and appends the tokens sampled in
+        `result` (forking waiting followers from their leader first). Finished requests leave and give back
+        their blocks. Returns a delta for every request that produced a token or went through an event."""
+        now = time.time()
+        produced: list[tuple[Request, int]] = []
+        row = 0
+        for scheduled in output.requests:
+            request = self.requests[scheduled.request_id]
+            request.num_computed_tokens += len(scheduled.token_ids)
+            self.kv_manager.cache_computed_blocks(request)
+            self.kv_manager.free_unreachable(request)
+            for target in scheduled.samplers:
+                sampler = self.requests[target.request_id]
+                if sampler is not request:
+                    self._fork_follower(request, sampler)
+                sampler.append_token(result.sampled_token_ids[row])
+                produced.append((sampler, row))
+                row += 1
+        deltas = [self._delta(request, now, result, index) for request, index in produced]
+        deltas += self._event_deltas(now)
+        self._drop_finished()
+        return deltas
+
+    def _fork_follower(self, leader: Request, follower: Request) -> None:
+        """Starts `follower` from `leader`'s just computed prompt."""
+        followers = self._followers[leader.request_id]
         followers.remove(follower)
         if not followers:
-            self._followers.pop(leader.request_id, None)
-        self.kv_manager.fork(leader, follower)
-        follower.leader = None
-        follower.num_computed_tokens = leader.num_computed_tokens
-        follower.num_cached_tokens = follower.num_prompt_tokens
-        self.running.append(follower)
+            del self._followers[leader.request_id]
+        self._start_forked(leader, follower)
+
+    def _delta(self, request: Request, now: float, result: ModelRunnerOutput | None = None,
+               row: int = 0) -> RequestDelta:
+        """The delta of `request` at `now`: its pending events and, with `result`, the token sampled in `row`."""
+        if request.is_finished:
+            self._event(request, EventType.FINISHED)
+        params = request.params
+        tokens: tuple[int, ...] = ()
+        logprobs: tuple[float, ...] | None = () if params.wants_logprobs else None
+        top: tuple[TopLogprobs, ...] | None = () if params.top_logprobs else None
+        if result is not None:
+            tokens = (result.sampled_token_ids[row],)
+            if logprobs is not None and result.logprobs is not None:
+                logprobs = (result.logprobs[row],)
+            if top is not None and result.top_logprobs is not None:
+                top = (result.top_logprobs[row][:params.top_logprobs],)
+        return RequestDelta(
+            request.request_id, request.status, now, tokens, logprobs, top, request.finish_reason, request.error,
+            request.num_cached_tokens, tuple(self._events.pop(request.request_id, ())), self.weights_version,
+        )
+
+    def _event_deltas(self, now: float) -> list[RequestDelta]:
+        """Deltas of the requests with events but no new token (admitted, preempted, forked or finished)."""
+        return [self._delta(self.requests[request_id], now) for request_id in list(self._events)
+                if request_id in self.requests]
 
     def finish_requests(self, requests: list[Request], status: RequestStatus, reason: str,
-                        error: str | None = None) -> None:
-        """Ends `requests` (e.g. a failed batch, or cancelled ids) and frees their blocks."""
-        for request in requests:
+                        error: str | None = None) -> list[RequestDelta]:
+        """Ends `requests` (a failed batch, a cancelled id, ...), frees their blocks, and returns the deltas of
+        the requests that changed (those already finished are left as they are)."""
+        now = time.time()
+        ended = [request for request in requests if not request.is_finished]
+        for request in ended:
             request.finish(status, reason, error)
+        deltas = [self._delta(request, now) for request in ended]
         self._drop_finished()
+        return deltas
 
-    def cancel(self, request_id: str) -> Request | None:
-        """Cancels a waiting or running request; returns it, or None when the id is unknown or finished."""
-        followers = [follower for group in self._followers.values() for follower in group]
-        for request in (*self.waiting, *self.running, *followers):
-            if request.request_id == request_id:
-                self.finish_requests([request], RequestStatus.CANCELLED, "cancelled")
-                return request
-        return None
+    def cancel(self, request_id: str) -> RequestDelta | None:
+        """Cancels an unfinished request; returns its final delta, or None when the id is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        (delta,) = self.finish_requests([request], RequestStatus.CANCELLED, "cancelled")
+        return delta
 
     def _drop_finished(self) -> None:
+        finished = [request for request in self.requests.values() if request.is_finished]
+        if not finished:
+            return
         for leader_id, group in list(self._followers.items()):
             group[:] = [follower for follower in group if not follower.is_finished]
             if not group:
                 del self._followers[leader_id]
-        finished = [request for request in (*self.running, *self.waiting) if request.is_finished]
-        if not finished:
-            return
         for request in finished:
+            del self.requests[request.request_id]
+            self._events.pop(request.request_id, None)
             self.kv_manager.free(request.request_id)
             self._promote_follower(request.request_id)
         self.running = [request for request in self.running if not request.is_finished]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from contbatch.engine.sampler import Sampler, SamplerOutput
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.sampling_params import SamplingParams
 
 ALPHA = 1e-4  # strict, so a correct sampler essentially never fails; the power checks show it still rejects
 DRAWS = 20_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contbatch.engine import attention, cpu_kernels
+from contbatch.frontend.output_processor import OutputCollector
 from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 # Prompts from 1 token to several blocks; different max_new_tokens per request.
@@ -77,7 +78,8 @@ def test_eos_stops_and_is_kept() -> None:
 def test_requests_added_while_running_match_generate() -> None:
     model = tiny_model("qwen3")
     prompts = random_prompts([7, 20, 3, 33], seed=4)
-    finished = {}
+    collector = OutputCollector()
+    finished = collector.finished
     with make_engine(model, block_size=4, num_blocks=100, max_batch_tokens=16) as engine:
         engine.add_request(prompts[0], request_id="a", max_new_tokens=12)
         for step in range(40):
@@ -86,7 +88,7 @@ def test_requests_added_while_running_match_generate() -> None:
             if step == 6:
                 engine.add_request(prompts[2], request_id="c", max_new_tokens=5)
                 engine.add_request(prompts[3], request_id="d", max_new_tokens=9)
-            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            collector.add(engine.step())
         assert not engine.has_unfinished_requests()
     for rid, prompt, max_new in zip("abcd", prompts, [12, 8, 5, 9], strict=True):
         assert finished[rid].generated_tokens == reference_generate(model, prompt, max_new)

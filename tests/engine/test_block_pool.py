@@ -7,7 +7,7 @@ import pytest
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.request import Request
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, num_tokens: int = 4) -> Request:

@@ -10,7 +10,7 @@ from contbatch import ContinuousBatchingConfig, generate_batch
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache_manager import KVCacheManager, PrefixHit, hash_block
 from contbatch.engine.request import Request
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 

@@ -6,7 +6,7 @@ import itertools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from contbatch.manager import ContinuousBatchingManager
+from contbatch.frontend.client import EngineClient
 from contbatch.outputs import GenerationOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -16,8 +16,8 @@ class ServerMetrics:
     """Requests running and waiting, prompt and generated tokens, time to first token, inter-token latency and
     KV-cache usage, in the Prometheus text format."""
 
-    def __init__(self, manager: ContinuousBatchingManager) -> None:
-        self.manager = manager
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
         self.registry = CollectorRegistry()
         self.running = Gauge("contbatch_requests_running", "Requests being computed", registry=self.registry)
         self.waiting = Gauge("contbatch_requests_waiting", "Requests waiting to be admitted", registry=self.registry)
@@ -42,7 +42,7 @@ class ServerMetrics:
             self.itl.observe(after - before)
 
     def render(self) -> bytes:
-        stats = self.manager.stats
+        stats = self.client.stats
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

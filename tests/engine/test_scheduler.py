@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from contbatch.engine.batch import SchedulerOutput
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.request import Request
+from contbatch.engine.outputs import ModelRunnerOutput
+from contbatch.engine.request import Request, RequestStatus
+from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
-from contbatch.outputs import RequestStatus
-from contbatch.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks: int = 100, block_size: int = 4, budget: int = 16, policy: str = "fifo") -> Scheduler:
@@ -21,8 +22,14 @@ def make_request(request_id: str, prompt_len: int, max_new_tokens: int = 8) -> R
 def run_step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int]]:
     batch = scheduler.schedule()
     plan = list(zip([r.request_id for r in batch.requests], batch.num_scheduled_tokens, strict=True))
-    scheduler.update(batch, [token] * len(batch.sampling_requests), None, 0.0)
+    scheduler.update_from_output(batch, sampled(batch, token))
     return plan
+
+
+def sampled(batch: SchedulerOutput, token: int) -> ModelRunnerOutput:
+    """Every sampling target of `batch` draws `token`."""
+    targets = batch.sampling_targets
+    return ModelRunnerOutput([target.request_id for target in targets], [token] * len(targets))
 
 
 def test_prompt_longer_than_budget_is_chunked_and_samples_only_at_its_end() -> None:
@@ -74,8 +81,8 @@ def test_newest_request_is_preempted_when_an_older_one_needs_a_block() -> None:
     assert run_step(scheduler) == [("old", 1), ("new", 1)]
     # old now needs a 2nd block for its 5th token while new holds the other 3 blocks: new is preempted.
     batch = scheduler.schedule()
-    assert [r.request_id for r in batch.requests] == ["old"] and batch.preempted == [new]
-    scheduler.update(batch, [7], None, 0.0)
+    assert [r.request_id for r in batch.requests] == ["old"] and batch.preempted_req_ids == ["new"]
+    scheduler.update_from_output(batch, sampled(batch, 7))
     assert new.status == RequestStatus.PENDING and new.num_computed_tokens == 0
     assert new.generated_tokens == [7, 7]
     assert list(scheduler.waiting) == [new]

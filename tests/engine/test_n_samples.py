@@ -8,9 +8,9 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, gener
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.engine import LLMEngine
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.request import Request
-from contbatch.outputs import RequestStatus
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.request import Request, RequestStatus
+from contbatch.engine.sampling_params import SamplingParams
+from contbatch.frontend.output_processor import OutputCollector
 from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
@@ -43,10 +43,11 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write() -> None:
 
 
 def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:
-    """What the manager does for `n=`: sample j is `<id>_j`, following sample 0."""
+    """What the manager does for `n=`: sample j is `<id>_j`, forked from sample 0."""
     requests = [engine.make_request(prompt, f"{request_id}_{j}", **sampling) for j in range(n)]
-    for request in requests:
-        engine.add(request, requests[0] if request is not requests[0] else None)
+    engine.add(requests[0])
+    for request in requests[1:]:
+        engine.fork(requests[0].request_id, request)
     return [request.request_id for request in requests]
 
 
@@ -132,14 +133,15 @@ def test_samples_prefixes_preemption_and_cancels_together_keep_the_cache_whole()
         samples = {i: add_samples(engine, prompt, f"p{i}", 1 + i % 3, max_new_tokens=10, do_sample=True, top_k=1)
                    for i, prompt in enumerate(prompts)}
         cancel_at = {2: "p1_0", 5: "p4_1", 9: "p5_2"}
-        finished: dict[str, Request] = {}
+        collector = OutputCollector()
+        finished = collector.finished
         computed: dict[str, int] = {}
         preempted = set()
         step = 0
         while engine.has_unfinished_requests():
             if step in cancel_at:
                 assert engine.cancel_request(cancel_at[step]) is not None, cancel_at[step]
-            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            collector.add(engine.step())
             engine.check_integrity()
             for request_id, request in engine.requests.items():
                 if request.num_computed_tokens < computed.get(request_id, 0):

@@ -113,7 +113,7 @@ def test_a_failing_forward_fails_its_batch_and_the_engine_keeps_serving(monkeypa
 
 def test_a_request_that_can_never_start_fails_alone_instead_of_stalling() -> None:
     from contbatch.engine.request import Request
-    from contbatch.sampling_params import SamplingParams
+    from contbatch.engine.sampling_params import SamplingParams
 
     with make_engine(tiny_model("llama"), block_size=4, num_blocks=4, max_batch_tokens=64) as engine:
         engine.add(Request("huge", [1] * 40, SamplingParams(max_new_tokens=2)))  # bypasses validation: 10 blocks

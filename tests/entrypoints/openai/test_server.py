@@ -16,8 +16,8 @@ import uvicorn
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
-from contbatch.embedded import embedded_model_dir
-from contbatch.server.app import create_app
+from contbatch.data.embedded import embedded_model_dir
+from contbatch.entrypoints.openai.app import create_app
 from tests.conftest import run_threads
 
 MODEL = "tiny-llama"

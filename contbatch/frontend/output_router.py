@@ -52,16 +52,26 @@ class OutputRouter:
         with self._condition:
             return set(self._live)
 
-    def deliver(self, outputs: list[GenerationOutput]) -> None:
-        """Routes one step's outputs and wakes the waiters."""
+    def deliver(self, outputs: list[GenerationOutput]) -> list[str]:
+        """Routes one step's outputs and wakes the waiters. Returns the ids of live requests nobody can receive
+        any more (their handler's event loop is closed): the caller should cancel them. Their handlers are
+        dropped and their outputs discarded."""
+        orphaned: list[str] = []
         if not outputs:
-            return
+            return orphaned
         with self._condition:
             for output in outputs:
                 handler = self._handlers.get(output.request_id)
                 if handler is not None:
                     loop, callback = handler
-                    loop.call_soon_threadsafe(callback, output)
+                    try:
+                        loop.call_soon_threadsafe(callback, output)
+                    except RuntimeError:  # the handler's event loop is closed
+                        self._handlers.pop(output.request_id)
+                        self._live.discard(output.request_id)
+                        if not output.is_finished():
+                            orphaned.append(output.request_id)
+                        continue
                 else:
                     self._pending.setdefault(output.request_id, deque()).append(output)
                     self._order.append(output.request_id)
@@ -69,6 +79,7 @@ class OutputRouter:
                     self._live.discard(output.request_id)
                     self._handlers.pop(output.request_id, None)
             self._condition.notify_all()
+        return orphaned
 
     def register_handler(self, request_id: str, loop: asyncio.AbstractEventLoop, callback: ResultHandler) -> None:
         """Sends `request_id`'s outputs to `callback` on `loop` from now on, starting with any already waiting.

@@ -11,9 +11,9 @@ from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache import KVCacheGroup, kv_cache_groups
 from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, PrefixHit
 from contbatch.engine.model_runner import _key_layout
-from contbatch.engine.request import Request
-from contbatch.outputs import RequestStatus
-from contbatch.sampling_params import SamplingParams
+from contbatch.engine.request import Request, RequestStatus
+from contbatch.engine.sampling_params import SamplingParams
+from contbatch.frontend.output_processor import OutputCollector
 from tests.conftest import _COMMON, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
@@ -41,7 +41,7 @@ def test_sliding_group_prefix_hit_needs_only_the_window() -> None:
     assert manager.block_tables("a") == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     a.num_computed_tokens = 17
     manager.cache_computed_blocks(a)
-    manager.free_out_of_window(a)  # the next query (position 17) sees keys 12..17: blocks 3 and 4
+    manager.free_unreachable(a)  # the next query (position 17) sees keys 12..17: blocks 3 and 4
     assert manager.block_table("a", 1) == [DEAD_BLOCK] * 3 + [8, 9]
     assert list(manager.pool._evictable) == [7, 6, 5], "cached blocks out of the window stay cached"
 
@@ -73,9 +73,10 @@ def test_all_sliding_model_holds_a_window_of_blocks(caching: bool) -> None:
         assert engine.kv_manager.windows == (7,)
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=80)
-        finished = {}
+        collector = OutputCollector()
+        finished = collector.finished
         while engine.has_unfinished_requests():
-            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            collector.add(engine.step())
             for request_id in engine.requests:
                 table = engine.kv_manager.block_table(request_id)
                 live_most = max(live_most, sum(block_id >= 0 for block_id in table))
@@ -99,10 +100,11 @@ def test_hybrid_model_sliding_layers_hold_a_window_of_blocks(model_name: str, ca
         assert engine.kv_manager.windows == (None, 6)
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=90)
-        finished = {}
+        collector = OutputCollector()
+        finished = collector.finished
         live_most = {0: 0, 1: 0}
         while engine.has_unfinished_requests():
-            finished.update({r.request_id: r for r in engine.step() if r.is_finished})
+            collector.add(engine.step())
             for request_id in engine.requests:
                 for group in live_most:
                     live = sum(block_id >= 0 for block_id in engine.kv_manager.block_table(request_id, group))

@@ -1,0 +1,64 @@
+"""How each kind of attention layer uses its blocks: the policies `KVCacheManager` coordinates, one per group.
+
+A policy answers, for one layer group, the three questions whose answer depends on the kind of attention:
+how many blocks a request holds at most, which blocks a query can still see (the others are given back), and
+which blocks a cached prefix must have for a request to start after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Every query sees every earlier token: a request keeps all its blocks."""
+
+    block_size: int
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request growing to `num_tokens` tokens, `max_chunk` a step, holds at once."""
+        return _blocks(num_tokens, self.block_size)
+
+    def num_unreachable_blocks(self, num_computed_tokens: int) -> int:
+        """How many leading blocks no query from position `num_computed_tokens` on can see."""
+        return 0
+
+    def first_needed_block(self, num_prefix_blocks: int) -> int:
+        """The first block a request starting after a cached prefix of `num_prefix_blocks` blocks must have."""
+        return 0
+
+
+@dataclass(frozen=True)
+class SlidingWindow(FullAttention):
+    """A query at position q sees keys from q - window + 1 on: blocks behind every future query's window are
+    given back, so a request holds about `window / block_size + 1` blocks however long it grows."""
+
+    window: int = 1
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.window
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The window before a chunk, the chunk, and a partial block at each end."""
+        return min(_blocks(num_tokens, self.block_size), _blocks(self.window - 1 + max_chunk, self.block_size) + 1)
+
+    def num_unreachable_blocks(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+
+    def first_needed_block(self, num_prefix_blocks: int) -> int:
+        return max(0, num_prefix_blocks * self.block_size - self.window + 1) // self.block_size
+
+
+def attention_policy(block_size: int, window: int | None) -> FullAttention:
+    """The policy of a group whose layers attend within `window` tokens (None: full attention)."""
+    return FullAttention(block_size) if window is None else SlidingWindow(block_size, window)

@@ -1,0 +1,97 @@
+"""What leaves the engine: the model runner's output of one step, and the per-request deltas of `step()`.
+
+Both are plain values: no live `Request`, no tensors. The scheduler turns a `ModelRunnerOutput` into
+`RequestDelta`s; everything above the engine (the frontend's output processor) builds its results from those.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from contbatch.engine.request import RequestStatus
+
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+class EventType(enum.Enum):
+    """Moments of a request's life inside the engine."""
+
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """`type` happened at `timestamp` (`time.time()`)."""
+
+    type: EventType
+    timestamp: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one request did since its previous delta.
+
+    Attributes:
+        request_id: the request.
+        status: its status after this step.
+        timestamp: `time.time()` when the delta was made (the time its new tokens were produced).
+        new_token_ids: tokens generated since the previous delta (0 or 1 per step).
+        new_logprobs: their log-probabilities, when the request asked for logprobs; else None.
+        new_top_logprobs: for each new token, the request's `top_logprobs` most likely (token id, logprob)
+            pairs, most likely first, when asked; else None.
+        finish_reason: "stop", "length", "cancelled" or "error" once finished; None before.
+        error: the error of a FAILED request.
+        num_cached_tokens: prompt tokens that came from the prefix cache (or from the request it was forked from).
+        events: what happened to the request since its previous delta, in order.
+        weights_version: the engine's weights version when the delta was made.
+    """
+
+    request_id: str
+    status: RequestStatus
+    timestamp: float
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[float, ...] | None = None
+    new_top_logprobs: tuple[TopLogprobs, ...] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    events: tuple[RequestEvent, ...] = ()
+    weights_version: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """The tokens sampled in one step, one row per request that sampled (n samples of a prompt included).
+
+    Attributes:
+        request_ids: the sampling requests, in the order of `SchedulerOutput.sampling_targets`.
+        sampled_token_ids: the token chosen for each.
+        logprobs: for each, the log-probability of its token under the raw logits; None when no row asked.
+        top_logprobs: for each, the k most likely (token id, logprob) pairs, k the largest `top_logprobs`
+            asked in the step; None when no row asked.
+        prompt_logprobs: per request id, the logprobs of the prompt tokens computed this step (room for
+            prompt logprobs; empty until they are implemented).
+    """
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0

@@ -1,0 +1,71 @@
+"""The FastAPI app: one router per endpoint family, the API-key and body-size guard, and OpenAI-style errors."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from transformers import PreTrainedTokenizerBase
+
+from contbatch.entrypoints.openai import chat, completions, models
+from contbatch.entrypoints.openai.metrics import ServerMetrics
+from contbatch.entrypoints.openai.protocol import APIError
+from contbatch.entrypoints.openai.serving import ServerState
+from contbatch.frontend.async_client import AsyncClient
+from contbatch.frontend.client import EngineClient
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, model_name: str,
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app serving `engine` (a started `ContinuousBatchingManager`, say) under the model id `model_name`.
+    Requests are tokenized and outputs detokenized with `tokenizer` (which becomes the client's tokenizer if it
+    has none). With `api_key`, every /v1 route requires `Authorization: Bearer <api_key>`."""
+    if engine.tokenizer is None:
+        engine.tokenizer = tokenizer
+    app = FastAPI(title="contbatch", version="0.1.0")
+    app.state.contbatch = ServerState(engine, AsyncClient(engine), tokenizer, model_name, api_key, max_body_bytes,
+                                      ServerMetrics(engine))
+    app.middleware("http")(_guard)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    for module in (models, completions, chat):
+        app.include_router(module.router)
+    return app
+
+
+async def _guard(request: Request, call_next: Any) -> Response:
+    """Rejects bodies over the size limit (413) and /v1 calls without the API key (401)."""
+    state: ServerState = request.app.state.contbatch
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
+        return _error(APIError(413, f"request body of {length} bytes exceeds the limit of {state.max_body_bytes} "
+                                    "bytes", code="request_too_large"))
+    if state.api_key and request.url.path.startswith("/v1"):
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            return _error(APIError(401, "missing or wrong API key", code="invalid_api_key",
+                                   kind="authentication_error"))
+    return await call_next(request)
+
+
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return _error(error)
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    problems = error.errors()
+    if any(problem.get("type") == "json_invalid" for problem in problems):
+        return _error(APIError(400, "the request body is not valid JSON", code="invalid_json"))
+    first = problems[0] if problems else {}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    return _error(APIError(422, f"{where}: {first.get('msg', 'invalid value')}", param=where or None,
+                           code="invalid_value"))
+
+
+def _error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)

@@ -1,0 +1,257 @@
+"""`EngineLoop`: the one thread that owns the engine. Commands come in through an inbox; each step's deltas go
+through the output processor and out through the output router."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from contbatch.engine.engine import LLMEngine
+from contbatch.engine.outputs import EngineStats, EventType, RequestDelta
+from contbatch.engine.request import Request, RequestStatus
+from contbatch.frontend.output_processor import OutputProcessor, RequestState
+from contbatch.frontend.output_router import OutputRouter
+from contbatch.outputs import GenerationOutput
+
+
+class LoopState(enum.IntEnum):
+    """The loop's life; the state only ever increases within a session (`start()` opens a new one)."""
+
+    CREATED = 0
+    RUNNING = 1
+    STOPPING = 2
+    STOPPED = 3
+    FAILED = 4
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    """Queue `requests[0]` and fork the others from it (n samples of one prompt), reporting through `states`."""
+
+    requests: Sequence[Request]
+    states: Sequence[RequestState]
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """Run `function(engine)` on the engine thread between two steps (e.g. `LLMEngine.reset_prefix_cache`)."""
+
+    function: Callable[[LLMEngine], object]
+
+
+class Stop:
+    pass
+
+
+Command = AddRequests | CancelRequest | EngineCall | Stop
+
+
+class AdmissionGate:
+    """Bounds the requests waiting to be admitted (`limit` 0: unbounded). Clients `acquire` a place per request;
+    the loop gives it back when the request is first scheduled or ends."""
+
+    def __init__(self, limit: int, timeout: float) -> None:
+        self.limit, self.timeout = limit, timeout
+        self._condition = threading.Condition()
+        self._num_waiting = 0
+
+    def acquire(self, request_id: str) -> None:
+        """Takes a place, waiting up to `timeout` seconds; raises RuntimeError when the queue stays full."""
+        if not self.limit:
+            return
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._num_waiting < self.limit, self.timeout):
+                raise RuntimeError(f"request {request_id!r}: the queue stayed full ({self.limit} waiting requests) "
+                                   f"for {self.timeout} s")
+            self._num_waiting += 1
+
+    def release(self, count: int) -> None:
+        if count and self.limit:
+            with self._condition:
+                self._num_waiting -= count
+                self._condition.notify_all()
+
+
+class EngineLoop:
+    """Runs `engine_factory()`'s engine on a background thread, one session per `start()`/`stop()`.
+
+    Only the loop's thread touches the engine once started (clients may call `engine.make_request`, which reads
+    fixed settings only). Every request gets exactly one terminal output. If the thread dies, every waiter of
+    the router gets the error at once.
+    """
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_queue_size: int = 0,
+                 queue_timeout: float = 60.0) -> None:
+        self._engine_factory = engine_factory
+        self._engine: LLMEngine | None = self._new_engine()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.router = OutputRouter()
+        self.processor = OutputProcessor()
+        self.gate = AdmissionGate(max_queue_size, queue_timeout)
+        self._unadmitted: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._keep_engine = False
+        self.state = LoopState.CREATED
+        self.stats = EngineStats()
+
+    def _new_engine(self) -> LLMEngine:
+        engine = self._engine_factory()
+        engine.close()  # the model keeps its own attention until start()
+        return engine
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("the manager was stopped without keep_for_next_session: call start() again")
+        return self._engine
+
+    def is_running(self) -> bool:
+        return self.state == LoopState.RUNNING and self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Starts a session (a new engine if the last one was released); does nothing while one runs. Weights
+        changed since the previous session are detected here (`LLMEngine.check_weights`)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        if self._engine is None:
+            self._engine = self._new_engine()
+        engine = self._engine
+        engine.check_weights()
+        engine.model_runner.attach()
+        self.state = LoopState.RUNNING
+        threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the engine thread inherits ours
+        self._thread = threading.Thread(target=self._run, args=(engine, threads), name="contbatch-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_engine: bool = False) -> None:
+        """Ends the session: unfinished requests are cancelled. With `keep_engine` the engine and its cache are
+        kept for the next `start()`. `block` waits for the thread."""
+        if self.state >= LoopState.STOPPING or self._thread is None:
+            self.state = max(self.state, LoopState.STOPPED)
+            self._release_engine(keep_engine)
+            return
+        self._keep_engine = keep_engine
+        self.state = LoopState.STOPPING
+        self._inbox.put(Stop())
+        if block:
+            self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, command: Command) -> None:
+        self._inbox.put(command)
+
+    def _run(self, engine: LLMEngine, threads: int) -> None:
+        torch.set_num_threads(threads)
+        try:
+            while self._apply_commands(engine, block=not engine.has_unfinished_requests()):
+                self._publish(engine, engine.step())
+                if not engine.has_unfinished_requests():
+                    engine.check_integrity()
+            self._cancel_all(engine)
+            self.state = LoopState.STOPPED
+        except BaseException as error:  # the loop itself broke: no waiter may hang on it
+            self.state = LoopState.FAILED
+            self._fail_all(error)
+        finally:
+            self.router.close()
+            self._release_engine(self._keep_engine)
+
+    def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
+        """Applies queued commands, waiting for one when `block` (the engine is idle). Returns False on stop."""
+        while True:
+            try:
+                command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return True
+            block = False
+            if isinstance(command, Stop):
+                return False
+            self._apply(engine, command)
+
+    def _apply(self, engine: LLMEngine, command: Command) -> None:
+        if isinstance(command, AddRequests):
+            self._add(engine, command)
+        elif isinstance(command, CancelRequest):
+            delta = engine.cancel_request(command.request_id)
+            self._publish(engine, [delta] if delta is not None else [])
+        elif isinstance(command, EngineCall):
+            command.function(engine)
+
+    def _add(self, engine: LLMEngine, command: AddRequests) -> None:
+        for state in command.states:
+            self.processor.add(state)
+        first, *forks = command.requests
+        try:
+            engine.add(first)
+            for request in forks:
+                engine.fork(first.request_id, request)
+        except ValueError as error:
+            failed = [engine.cancel_request(request.request_id) for request in command.requests]
+            self._publish(engine, [delta for delta in failed if delta is not None])
+            self.router.deliver(self.processor.finish(
+                [state.request_id for state in command.states], RequestStatus.FAILED, "error", str(error)))
+            return
+        if self.gate.limit:
+            self._unadmitted.update(request.request_id for request in command.requests)
+
+    def _publish(self, engine: LLMEngine, deltas: list[RequestDelta]) -> None:
+        """Turns deltas into outputs and delivers them; aborts the requests a stop string ended."""
+        processed = self.processor.process(deltas)
+        orphaned = self.router.deliver(processed.outputs)
+        for request_id in processed.stopped + orphaned:
+            self.processor.states.pop(request_id, None)
+            engine.cancel_request(request_id)
+        if self._unadmitted:
+            self._release_admitted(deltas)
+        self.stats = engine.stats()
+
+    def _release_admitted(self, deltas: list[RequestDelta]) -> None:
+        """Gives back the queue places of requests that left the waiting queue (scheduled or ended)."""
+        left = {delta.request_id for delta in deltas if delta.request_id in self._unadmitted
+                and (delta.is_finished or any(event.type == EventType.SCHEDULED for event in delta.events))}
+        self._unadmitted -= left
+        self.gate.release(len(left))
+
+    def _cancel_all(self, engine: LLMEngine) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, AddRequests):
+                self._add(engine, command)
+        self._publish(engine, [delta for rid in list(engine.requests) if (delta := engine.cancel_request(rid))])
+        self.router.deliver(self.processor.finish(list(self.processor.states), RequestStatus.CANCELLED,
+                                                  "cancelled"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        message = f"the engine thread died: {type(error).__name__}: {error}"
+        outputs = self.processor.finish(list(self.processor.states), RequestStatus.FAILED, "error", message)
+        reported = {output.request_id for output in outputs}
+        outputs += [GenerationOutput(rid, status=RequestStatus.FAILED, finish_reason="error", error=message)
+                    for rid in self.router.live_ids - reported]
+        self.router.deliver(outputs)
+        self.router.fail(error)
+
+    def _release_engine(self, keep: bool) -> None:
+        if self._engine is None:
+            return
+        self._engine.close()
+        if not keep:
+            self._engine = None

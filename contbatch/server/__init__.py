@@ -1,1 +1,0 @@
-"""`contbatch serve`: an OpenAI-compatible HTTP server on a `ContinuousBatchingManager`."""
