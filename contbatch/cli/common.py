@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from contbatch import ContinuousBatchingConfig
+from contbatch.engine.config import SCHEDULER_TYPES
 
 # Prefix caching shares whole blocks: with 256-token blocks a 200-token system prompt is never shared.
 CLI_BLOCK_SIZE = 16
@@ -21,7 +22,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "transformers' default of 256)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward pass")
-    parser.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
+    parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

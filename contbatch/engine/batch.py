@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -19,9 +20,8 @@ class SamplingTarget:
     generator: torch.Generator | None
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (immutable).
 
     Attributes:
         request_id: the request.
@@ -37,7 +37,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: Sequence[int]
     num_computed_tokens: int
-    block_tables: Sequence[Sequence[int]]
+    block_tables: Sequence[list[int]]
     samplers: tuple[SamplingTarget, ...] = ()
 
     @property

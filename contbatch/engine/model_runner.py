@@ -100,7 +100,7 @@ class ModelRunner:
         width = max(len(entry.block_tables[0]) for entry in scheduled)
         # [groups, requests, width]: every group's tables of one request have the same length
         block_tables = torch.tensor([
-            [list(table) + [0] * (width - len(table)) for table in entry.block_tables] for entry in scheduled
+            [table + [0] * (width - len(table)) for table in entry.block_tables] for entry in scheduled
         ]).transpose(0, 1)
         if self.has_dead_blocks:
             # Blocks left behind by a sliding window are masked but still gathered: point them at a live block.
