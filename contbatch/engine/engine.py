@@ -75,7 +75,7 @@ class LLMEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
         self.model = model
-        self._weights = WeightsFingerprint.of(model)
+        self._weights: WeightsFingerprint | None = None
         self.num_scheduled_tokens_total = 0
 
     def close(self) -> None:
@@ -239,8 +239,12 @@ class LLMEngine:
         self.kv_manager.reset_prefix_cache()
 
     def check_weights(self) -> bool:
-        """Treats the weights as updated (`mark_weights_updated`) if they changed since the last check or mark.
-        Returns whether they changed. Costs one pass over the parameters: call it between runs, not per step."""
+        """Treats the weights as updated (`mark_weights_updated`) if they changed since the last check or mark
+        (the first check only records them: nothing computed before it). Returns whether they changed. Costs one
+        pass over the parameters: call it between runs, not per step, on the thread that runs the engine."""
+        if self._weights is None:
+            self._weights = WeightsFingerprint.of(self.model)
+            return False
         changed = not self._weights.matches(self.model)
         if changed:
             self.mark_weights_updated()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,10 +56,8 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    arrival_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
     num_cached_tokens: int = 0
-    num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     leader: Request | None = None
 

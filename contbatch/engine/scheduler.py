@@ -152,7 +152,6 @@ class Scheduler:
             del self.running[position]
             self.kv_manager.free(victim.request_id)
             victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
             victim.status = RequestStatus.PENDING
             self.waiting.appendleft(victim)
             output.preempted_req_ids.append(victim.request_id)

@@ -120,13 +120,13 @@ class EngineLoop:
 
     def start(self) -> None:
         """Starts a session (a new engine if the last one was released); does nothing while one runs. Weights
-        changed since the previous session are detected here (`LLMEngine.check_weights`)."""
+        changed since the previous session are detected on the engine thread before any request of the session
+        is admitted (`LLMEngine.check_weights`)."""
         if self._thread is not None and self._thread.is_alive():
             return
         if self._engine is None:
             self._engine = self._new_engine()
         engine = self._engine
-        engine.check_weights()
         engine.model_runner.attach()
         self.state = LoopState.RUNNING
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the engine thread inherits ours
@@ -157,6 +157,7 @@ class EngineLoop:
     def _run(self, engine: LLMEngine, threads: int) -> None:
         torch.set_num_threads(threads)
         try:
+            engine.check_weights()
             while self._apply_commands(engine, block=not engine.has_unfinished_requests()):
                 self._publish(engine, engine.step())
                 if not engine.has_unfinished_requests():

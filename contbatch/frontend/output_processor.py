@@ -63,11 +63,6 @@ class RequestState:
     num_reported: int = 0
     num_chunks_reported: int = 0
 
-    @property
-    def stopped_by_text(self) -> bool:
-        """A stop string ended the request while the engine may still be running it."""
-        return self.detokenizer is not None and self.detokenizer.stopped
-
     def apply(self, delta: RequestDelta) -> GenerationOutput | None:
         """Adds `delta`; returns the output to deliver for it, if any."""
         new = delta.new_token_ids

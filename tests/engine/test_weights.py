@@ -24,6 +24,7 @@ def test_a_one_ulp_data_write_to_any_element_of_any_parameter_is_detected(name: 
     model = fresh_model(name)
     generator = torch.Generator().manual_seed(0)
     with make_engine(model, block_size=4, num_blocks=8) as engine:
+        assert not engine.check_weights(), "the first check records the weights"
         version = engine.weights_version
         for parameter_name, parameter in model.named_parameters():
             flat = parameter.data.view(-1)

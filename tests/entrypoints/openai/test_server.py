@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForC
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.data.embedded import embedded_model_dir
+from contbatch.data.prompts import chat_inputs
 from contbatch.entrypoints.openai.app import create_app
 from tests.conftest import run_threads
 
@@ -97,8 +98,7 @@ def served(tokenizer: PreTrainedTokenizerBase) -> Iterator[Served]:
 
 
 def chat_ids(served: Served, content: str) -> list[int]:
-    encoded = served.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    return chat_inputs(served.tokenizer, [content])[0]
 
 
 def test_models_health_and_metrics(served: Served) -> None:
