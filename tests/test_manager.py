@@ -269,3 +269,30 @@ def test_n_samples_that_do_not_all_fit_the_queue_release_their_room() -> None:
     manager.start()
     assert {manager.get_result(rid, timeout=30).status for rid in ("a", "b_0", "b_1")} == {RequestStatus.FINISHED}
     manager.stop()
+
+
+def test_requests_the_engine_refuses_fail_alone_and_give_back_their_queue_places() -> None:
+    """Requests that pass the client's checks but that the engine refuses (here: a fork whose prompt is not its
+    parent's sequence) fail with the engine's error, all of their command; the engine thread lives on, and the
+    queue places they took are given back."""
+    from contbatch.frontend.engine_loop import AddRequests
+    from contbatch.frontend.output_processor import RequestState
+
+    manager = new_manager(max_queue_size=3)
+    with manager:
+        engine, loop = manager.engine, manager._loop
+        requests = [engine.make_request([1, 2, 3], "fine", max_new_tokens=2),
+                    engine.make_request([4, 5], "bad_0", max_new_tokens=2),
+                    engine.make_request([9, 9], "bad_1", max_new_tokens=2)]
+        for request in requests:  # what EngineClient.add_request does before submitting
+            loop.router.open(request.request_id)
+            loop.gate.acquire(request.request_id)
+        states = [RequestState(request.request_id, request.prompt_ids) for request in requests]
+        loop.submit(AddRequests(requests[:1], states[:1]))
+        loop.submit(AddRequests(requests[1:], states[1:]))
+        for request_id in ("bad_0", "bad_1"):
+            failed = manager.get_result(request_id, timeout=30)
+            assert failed.status == RequestStatus.FAILED and "token sequence" in failed.error, request_id
+        assert manager.get_result("fine", timeout=30).status == RequestStatus.FINISHED
+        assert loop.gate.num_waiting == 0, "every queue place was given back"
+        assert manager.is_running() and manager.engine.block_pool.is_whole

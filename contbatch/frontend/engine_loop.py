@@ -75,6 +75,12 @@ class AdmissionGate:
                                    f"for {self.timeout} s")
             self._num_waiting += 1
 
+    @property
+    def num_waiting(self) -> int:
+        """Places taken by requests not admitted yet."""
+        with self._condition:
+            return self._num_waiting
+
     def release(self, count: int) -> None:
         if count and self.limit:
             with self._condition:
@@ -195,21 +201,27 @@ class EngineLoop:
             command.function(engine)
 
     def _add(self, engine: LLMEngine, command: AddRequests) -> None:
+        """Adds the command's requests, all or none: if the engine refuses one, those already added are taken
+        back and every request of the command fails with the engine's error."""
         for state in command.states:
             self.processor.add(state)
         first, *forks = command.requests
+        added: list[str] = []
         try:
             engine.add(first)
+            added.append(first.request_id)
             for request in forks:
                 engine.fork(first.request_id, request)
+                added.append(request.request_id)
         except ValueError as error:
-            failed = [engine.cancel_request(request.request_id) for request in command.requests]
-            self._publish(engine, [delta for delta in failed if delta is not None])
+            for request_id in added:
+                engine.cancel_request(request_id)
+            self.gate.release(len(command.requests))
             self.router.deliver(self.processor.finish(
                 [state.request_id for state in command.states], RequestStatus.FAILED, "error", str(error)))
             return
         if self.gate.limit:
-            self._unadmitted.update(request.request_id for request in command.requests)
+            self._unadmitted.update(added)
 
     def _publish(self, engine: LLMEngine, deltas: list[RequestDelta]) -> None:
         """Turns deltas into outputs and delivers them; aborts the requests a stop string ended."""
