@@ -73,7 +73,8 @@ class EngineClient:
 
     def start(self) -> None:
         """Starts the background thread (a new session after `stop`); does nothing if it is running. Weights
-        that changed since the previous session are detected here (see `mark_weights_updated`)."""
+        that changed since the previous session are detected on the engine thread before any request of the new
+        session is admitted (see `mark_weights_updated`)."""
         self._loop.start()
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False) -> None:
