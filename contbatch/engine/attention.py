@@ -5,22 +5,37 @@ keyword `METADATA_KWARG`; transformers hands every keyword down to the attention
 the layer's new K/V are written into their cache slots and each request attends over its own context, gathered
 from its blocks. Requests are attended in at most two padded groups (those computing one token and those computing
 several), so the work per layer is a handful of tensor ops whatever the number of requests.
+
+The model stays a normal model while attached: a forward without the metadata keyword (training, `generate`, a
+reference forward, another thread's forward while a step runs) goes to the attention and mask functions of the
+implementation the model had before (`remember_own_attention`); only the thread inside `paged_forward` gets
+contbatch's.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface
+from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "contbatch_paged"
 METADATA_KWARG = "contbatch_metadata"
+
+_own_attention: dict[int, tuple[weakref.ReferenceType[PretrainedConfig], str]] = {}
+_forward_state = threading.local()
 
 
 @dataclass
@@ -96,19 +111,32 @@ def paged_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    *args: Any,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: query [1, heads, tokens, head_dim], key/value
-    [1, kv_heads, tokens, head_dim] for the packed batch; returns ([1, tokens, heads, head_dim], None)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention-function contract. With contbatch's metadata (`METADATA_KWARG`): query
+    [1, heads, tokens, head_dim], key/value [1, kv_heads, tokens, head_dim] for the packed batch; returns
+    ([1, tokens, heads, head_dim], None). Without it (a training forward, `generate`, a forward on another thread
+    while a step runs), the call goes, arguments untouched, to the implementation the model had when contbatch
+    attached (`own_attention`), so the model computes exactly what it computed before attaching."""
     metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
-        raise RuntimeError(
-            f"attention '{ATTENTION_NAME}' needs the keyword '{METADATA_KWARG}': run the model through contbatch"
-        )
+        return _own_attention_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
+    return _paged_attention(module, query, key, value, metadata, kwargs.get("scaling"),
+                            kwargs.get("sliding_window"), kwargs.get("softcap"))
+
+
+def _paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, None]:
+    """Writes the layer's new K/V into the cache, then attends every group of the batch over its context."""
     layer = module.layer_idx
     cache_group = metadata.cache.layer_group[layer]
     kept = metadata.cache.groups[cache_group].sliding_window
@@ -188,10 +216,64 @@ def _softcapped_attention(
     return torch.matmul(logits.softmax(-1, dtype=torch.float32).to(v.dtype), v)
 
 
-def paged_attention_mask(*args: Any, **kwargs: Any) -> None:
-    """The model's mask builders return nothing: masking happens inside `paged_attention_forward`, from the
-    batch metadata."""
-    return None
+def paged_attention_mask(*args: Any, **kwargs: Any) -> Any:
+    """Inside contbatch's forward (`paged_forward`) the model's mask builders return nothing: masking happens in
+    `paged_attention_forward`, from the batch metadata. Anywhere else the mask is built, arguments untouched, by
+    the mask function of the implementation the model had when contbatch attached (or is None when that
+    implementation has no mask function, as transformers does)."""
+    if getattr(_forward_state, "active", False):
+        return None
+    config = kwargs.get("config")
+    own = own_attention(config) if config is not None else None
+    if own is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' is set on a model contbatch did not attach")
+    if own not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[own](*args, **kwargs)
+
+
+@contextmanager
+def paged_forward() -> Iterator[None]:
+    """Marks the current thread as running contbatch's forward for the duration of the block (the mask builders
+    then stand aside); other threads' forwards are unaffected."""
+    _forward_state.active = True
+    try:
+        yield
+    finally:
+        _forward_state.active = False
+
+
+def remember_own_attention(model: torch.nn.Module) -> None:
+    """Records the attention implementation that `model`'s config and each of its sub-configs has now, before
+    contbatch switches it to `ATTENTION_NAME` (configs already switched keep their record)."""
+    for config in {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None),
+                                                                   PretrainedConfig)}.values():
+        implementation = config._attn_implementation
+        if implementation != ATTENTION_NAME:
+            key = id(config)
+            _own_attention[key] = (weakref.ref(config, lambda _, key=key: _own_attention.pop(key, None)),
+                                   implementation)
+
+
+def own_attention(config: PretrainedConfig) -> str | None:
+    """The implementation `config` had when contbatch attached, or None if contbatch never attached it."""
+    entry = _own_attention.get(id(config))
+    if entry is None or entry[0]() is not config:
+        return None
+    return entry[1]
+
+
+def _own_attention_function(module: torch.nn.Module) -> Callable[..., Any]:
+    """The attention function `module` would call under the implementation its model had before attaching;
+    "eager" is the modeling file's own `eager_attention_forward`, as transformers' modules resolve it."""
+    own = own_attention(module.config)
+    if own is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs the keyword '{METADATA_KWARG}' on a model "
+                           f"contbatch did not attach: run the model through contbatch")
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if own == "eager" and eager is None:
+        raise RuntimeError(f"{type(module).__name__}'s modeling file has no eager_attention_forward")
+    return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
 
 
 def register_paged_attention() -> str:

@@ -10,7 +10,9 @@ from contbatch.engine.attention import (
     AttentionGroup,
     KeyLayout,
     PagedAttentionMetadata,
+    paged_forward,
     register_paged_attention,
+    remember_own_attention,
 )
 from contbatch.engine.batch import SchedulerOutput
 from contbatch.engine.kv_cache import PagedKVCache
@@ -39,9 +41,11 @@ class ModelRunner:
         self.attach()
 
     def attach(self) -> None:
-        """Switches the model to contbatch's paged attention (idempotent)."""
+        """Switches the model to contbatch's paged attention (idempotent). Forwards other than contbatch's keep
+        running the implementation the model had (see `paged_attention_forward`)."""
         if self._previous_attention is None:
             self._previous_attention = self.model.config._attn_implementation
+            remember_own_attention(self.model)
             self.model.set_attn_implementation(register_paged_attention())
 
     def close(self) -> None:
@@ -56,13 +60,14 @@ class ModelRunner:
         vocab], in batch order."""
         input_ids, positions, logits_indices, metadata = self.prepare(scheduler_output)
         self.cache.copy_blocks(scheduler_output.block_copies)
-        output = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=logits_indices,
-            **{METADATA_KWARG: metadata},
-        )
+        with paged_forward():
+            output = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=logits_indices,
+                **{METADATA_KWARG: metadata},
+            )
         return output.logits[0]
 
     @torch.inference_mode()
