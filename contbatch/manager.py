@@ -12,8 +12,8 @@ __all__ = ["DEFAULT_QUEUE_TIMEOUT", "ContinuousBatchingManager"]
 
 
 class ContinuousBatchingManager(EngineClient):
-    """The spec's manager: `EngineClient` (start, stop, add_request, cancel_request, ...) plus blocking ways to
-    take outputs, usable from any thread. Use it as a context manager for one session."""
+    """The spec's manager: `EngineClient` (start, stop, add_request, cancel_request, sleep, wake, ...) plus
+    blocking ways to take outputs, usable from any thread. Use it as a context manager for one session."""
 
     def __enter__(self) -> ContinuousBatchingManager:
         self.start()

@@ -43,6 +43,9 @@ class LLMEngine:
     Weights: KV computed with old weights must never be reused. `check_weights()` detects changed weights
     (see `WeightsFingerprint` for the writes it cannot see) and `mark_weights_updated()` is the explicit
     signal; either empties the prefix cache and bumps `weights_version`.
+
+    Memory between generation phases (an RL trainer's training step): `sleep()` gives the KV cache's memory back
+    and `wake()` takes it again; a request added while asleep wakes the engine.
     """
 
     def __init__(
@@ -139,8 +142,10 @@ class LLMEngine:
         return request
 
     def add(self, request: Request) -> None:
-        """Queues a request made by `make_request`. Raises ValueError if its id is already queued or running."""
+        """Queues a request made by `make_request`, waking the engine if it sleeps. Raises ValueError if its id
+        is already queued or running."""
         self._check_new_id(request.request_id)
+        self.wake()
         self.scheduler.add_request(request)
 
     def fork(self, parent_id: str, child: Request) -> None:
@@ -232,7 +237,29 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool = self.block_pool
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           1.0 - pool.num_free_blocks / pool.num_blocks)
+                           1.0 - pool.num_free_blocks / pool.num_blocks, self.is_sleeping)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True between `sleep()` and the next `wake()` (or the next request added)."""
+        return not self.cache.is_allocated
+
+    def sleep(self) -> None:
+        """Gives back the KV cache's memory (see `PagedKVCache.release`), e.g. while an RL trainer trains between
+        generation phases. The prefix cache is emptied first: the blocks' content is lost, so no later request
+        reuses anything computed before. Idempotent. Only allowed with no unfinished request: otherwise raises
+        RuntimeError naming how many there are, and changes nothing. While asleep every block is free (the pool
+        is whole) and the engine holds no request; `wake()`, or adding a request, reallocates the cache."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"cannot sleep with {self.scheduler.num_unfinished} unfinished request(s): let them "
+                               f"finish or cancel them first")
+        self.reset_prefix_cache()
+        self.cache.release()
+
+    def wake(self) -> None:
+        """Reallocates the KV cache given back by `sleep()`, with the same shape, dtype and device (its content is
+        undefined until written, which every request does before reading). Idempotent."""
+        self.cache.allocate()
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix: nothing computed so far is shared with later requests."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -97,6 +98,9 @@ class PagedKVCache:
     token at `offset` in block `block_id`. Layers at the same position of different groups share that tensor
     (their block ids differ). Slots are flat so that one `index_select` gathers a whole batch's context; heads
     come first so that one request's keys of one head lie contiguous within a block, as the decode kernel reads.
+
+    Memory: `release()` gives the storage back and `allocate()` makes it again (see both); while released, the
+    cache holds no tensor memory, `keys` and `values` are empty, and no other method may be called.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
@@ -104,19 +108,56 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.device = device
         self.groups = groups or [KVCacheGroup(tuple(range(spec.num_layers)))]
         layers_per_block = max(len(group.layers) for group in self.groups)
-        shape = (layers_per_block, 2, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-        # torch.empty: pages are only touched when written, so a large cache costs what it holds.
-        self._storage = torch.empty(shape, dtype=spec.dtype, device=device)
+        self.shape = (layers_per_block, 2, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         self.layer_group = [0] * spec.num_layers
-        self.keys: list[torch.Tensor] = [self._storage[0, 0]] * spec.num_layers
-        self.values: list[torch.Tensor] = [self._storage[0, 1]] * spec.num_layers
         for index, group in enumerate(self.groups):
-            for position, layer in enumerate(group.layers):
+            for layer in group.layers:
                 self.layer_group[layer] = index
-                self.keys[layer] = self._storage[position, 0]
-                self.values[layer] = self._storage[position, 1]
+        self._storage = torch.empty(0, dtype=spec.dtype, device=self.device)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    @property
+    def is_allocated(self) -> bool:
+        """False between `release()` and the next `allocate()`."""
+        return bool(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the storage when allocated."""
+        return math.prod(self.shape) * self.spec.dtype.itemsize
+
+    def allocate(self) -> None:
+        """Makes the storage (`shape`, the spec's dtype, `device`) and the per-layer views; does nothing when
+        allocated. The content is undefined: blocks must be written before they are read, which the block tables
+        guarantee for an empty prefix cache. The storage is `torch.empty`, so pages are only touched when written
+        and a large cache costs what it holds."""
+        if self.is_allocated:
+            return
+        storage = torch.empty(self.shape, dtype=self.spec.dtype, device=self.device)
+        keys = [storage[0, 0]] * self.spec.num_layers
+        values = [storage[0, 1]] * self.spec.num_layers
+        for group in self.groups:
+            for position, layer in enumerate(group.layers):
+                keys[layer] = storage[position, 0]
+                values[layer] = storage[position, 1]
+        self._storage, self.keys, self.values = storage, keys, values
+
+    def release(self) -> None:
+        """Drops the storage and every view of it, so its memory goes back: to the OS on CPU (a large tensor is
+        its own mapping), to the driver on CUDA (the caching allocator's unused blocks are emptied). Every block's
+        content is lost: the caller must make sure no block is held and nothing cached is reused (the engine
+        empties the prefix cache first). Idempotent; `allocate()` makes a new storage."""
+        if not self.is_allocated:
+            return
+        self._storage = torch.empty(0, dtype=self.spec.dtype, device=self.device)
+        self.keys, self.values = [], []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping`."""

@@ -90,8 +90,9 @@ class ModelRunnerOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A snapshot of the engine's load."""
+    """A snapshot of the engine's load; `is_sleeping` while the KV cache's memory is given back (`sleep()`)."""
 
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    is_sleeping: bool = False

@@ -106,7 +106,8 @@ class EngineClient:
     ) -> str:
         """Submits a request; returns its id. A streaming request gets an output after every token, the others
         one final output. `sampling` overrides the generation config for this request (`do_sample`,
-        `temperature`, `top_k`, `top_p`, `seed`, `logprobs`, `top_logprobs`).
+        `temperature`, `top_k`, `top_p`, `seed`, `logprobs`, `top_logprobs`, `logprobs_mode`: "raw" or
+        "processed", see `SamplingParams`).
 
         With `n > 1`, n samples of the prompt run as requests `<id>_0` ... `<id>_<n-1>` (sample j seeded with
         `seed + j` when a seed is given); the prompt is computed once, and the samples share its KV blocks (a
@@ -168,6 +169,20 @@ class EngineClient:
         before it, and `weights_version` goes up. Call it after every weight update made while the manager runs
         (between sessions, `start()` also detects changes; see `WeightsFingerprint` for what it can miss)."""
         self._loop.submit(EngineCall(LLMEngine.mark_weights_updated))
+
+    def sleep(self) -> None:
+        """Gives back the KV cache's memory between generation phases (e.g. while an RL trainer trains); the
+        memory is free when this returns. Runs on the engine thread between two steps while the manager runs,
+        else at once. Idempotent; the prefix cache is emptied (`LLMEngine.sleep`); `stats.is_sleeping` tells.
+        The next request added wakes the engine (so does `wake()`). Raises RuntimeError, changing nothing, while
+        the engine has unfinished requests (queued or running); requests added before `start()` are not in the
+        engine yet: they wake it when the session starts."""
+        self._loop.call(LLMEngine.sleep)
+
+    def wake(self) -> None:
+        """Takes the KV cache's memory again after `sleep()` (idempotent), synchronously like `sleep()`; only
+        needed to allocate before the next request arrives."""
+        self._loop.call(LLMEngine.wake)
 
     @property
     def weights_version(self) -> int:

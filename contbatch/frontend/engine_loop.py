@@ -7,7 +7,9 @@ import enum
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 
@@ -17,6 +19,8 @@ from contbatch.engine.request import Request, RequestStatus
 from contbatch.frontend.output_processor import OutputProcessor, RequestState
 from contbatch.frontend.output_router import OutputRouter
 from contbatch.outputs import GenerationOutput
+
+T = TypeVar("T")
 
 
 class LoopState(enum.IntEnum):
@@ -44,9 +48,14 @@ class CancelRequest:
 
 @dataclass(frozen=True)
 class EngineCall:
-    """Run `function(engine)` on the engine thread between two steps (e.g. `LLMEngine.reset_prefix_cache`)."""
+    """Run `function(engine)` on the engine thread between two steps (e.g. `LLMEngine.reset_prefix_cache`).
+
+    Without `done` the call is fire-and-forget, and its exception ends the loop (FAILED). With `done` the loop
+    sets its result or exception there and goes on; a caller that cancels `done` while still pending is sure the
+    call never runs (`EngineLoop.call`)."""
 
     function: Callable[[LLMEngine], object]
+    done: Future[object] | None = None
 
 
 class Stop:
@@ -54,6 +63,15 @@ class Stop:
 
 
 Command = AddRequests | CancelRequest | EngineCall | Stop
+
+
+def _ran(done: Future[object], thread: threading.Thread) -> bool:
+    """Waits until the engine call of `done` has run (True), or until `thread` ended without running it (False:
+    it is cancelled, so it never will)."""
+    while not wait([done], timeout=0.1).done:
+        if not thread.is_alive() and done.cancel():
+            return False
+    return True
 
 
 class AdmissionGate:
@@ -160,6 +178,24 @@ class EngineLoop:
     def submit(self, command: Command) -> None:
         self._inbox.put(command)
 
+    def call(self, function: Callable[[LLMEngine], T]) -> T | None:
+        """Runs `function(engine)` synchronously: returns its result, or raises its exception in the caller.
+        While the engine thread lives, the call runs there between two steps (at once if the caller is that
+        thread); otherwise (not started, or stopped) on the caller's thread, which must not start the loop
+        meanwhile. Returns None without calling `function` when no engine is held (stopped without
+        `keep_engine`: the next `start()` makes a new one)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            done: Future[object] = Future()
+            self.submit(EngineCall(function, done))
+            if _ran(done, thread):
+                return cast(T, done.result())
+        if self._engine is None:
+            return None
+        result = function(self._engine)
+        self.stats = self._engine.stats()
+        return result
+
     def _run(self, engine: LLMEngine, threads: int) -> None:
         torch.set_num_threads(threads)
         try:
@@ -198,7 +234,21 @@ class EngineLoop:
             delta = engine.cancel_request(command.request_id)
             self._publish(engine, [delta] if delta is not None else [])
         elif isinstance(command, EngineCall):
+            self._call(engine, command)
+
+    def _call(self, engine: LLMEngine, command: EngineCall) -> None:
+        """Runs `command` unless its caller cancelled it; a waited-for call's exception goes to its caller."""
+        done = command.done
+        if done is None:
             command.function(engine)
+        elif done.set_running_or_notify_cancel():
+            try:
+                done.set_result(command.function(engine))
+            except BaseException as error:
+                done.set_exception(error)
+                if not isinstance(error, Exception):
+                    raise
+        self.stats = engine.stats()
 
     def _add(self, engine: LLMEngine, command: AddRequests) -> None:
         """Adds the command's requests, all or none: if the engine refuses one, those already added are taken

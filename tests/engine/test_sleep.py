@@ -1,0 +1,124 @@
+"""`LLMEngine.sleep()` / `wake()`: the KV cache's memory is given back between generation phases, outputs are the
+same afterwards, and nothing cached before a sleep is reused."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import pytest
+import torch
+
+from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+
+MiB = 1 << 20
+# tiny llama: 2 layers x 2 KV heads x 16 dims x float32 x (K, V) = 512 bytes a token; 8192 x 64 tokens = 256 MiB
+LARGE_CACHE = dict(block_size=64, num_blocks=8192)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (`/proc/self/statm`), after a full garbage collection."""
+    gc.collect()
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_paged_cache_release_and_allocate_keep_shape_dtype_and_device() -> None:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+    cache = PagedKVCache(spec, num_blocks=5, block_size=2, device=torch.device("cpu"))
+    assert cache.is_allocated and cache.nbytes == 3 * 2 * 2 * 10 * 4 * 2
+    cache.release()
+    cache.release()
+    assert not cache.is_allocated and cache.keys == [] and cache.values == [] and cache._storage.numel() == 0
+    cache.allocate()
+    storage = cache._storage
+    cache.allocate()
+    assert cache._storage is storage, "allocate is idempotent"
+    assert storage.shape == (3, 2, 2, 10, 4) and storage.dtype == torch.bfloat16 and storage.device.type == "cpu"
+    assert len(cache.keys) == len(cache.values) == 3
+    assert all(key.data_ptr() == storage[layer, 0].data_ptr() for layer, key in enumerate(cache.keys))
+
+
+def test_sleep_gives_the_cache_memory_back_and_a_new_request_takes_it_again() -> None:
+    model = tiny_model("llama")
+    prompt = random_prompts([20], seed=70)[0]
+    with make_engine(model, **LARGE_CACHE) as engine:
+        cache = engine.cache
+        assert cache.nbytes >= 256 * MiB
+        cache._storage.fill_(0)  # torch.empty: make every page resident before measuring
+        awake = resident_bytes()
+        engine.sleep()
+        asleep = resident_bytes()
+        print(f"RSS awake {awake / MiB:.0f} MiB, asleep {asleep / MiB:.0f} MiB, cache {cache.nbytes / MiB:.0f} MiB")
+        assert awake - asleep >= 0.9 * cache.nbytes
+        assert engine.is_sleeping and engine.stats().is_sleeping
+        engine.sleep()
+        engine.check_integrity()
+        assert engine.block_pool.is_whole
+        engine.add_request(prompt, "after", max_new_tokens=5)
+        assert not engine.is_sleeping and not engine.stats().is_sleeping
+        assert run_engine(engine)["after"].generated_tokens == reference_generate(model, prompt, 5)
+        assert cache._storage.shape == cache.shape
+        cache._storage.fill_(0)
+        woken = resident_bytes()
+        print(f"RSS after the request and a full touch {woken / MiB:.0f} MiB")
+        assert woken - asleep >= 0.9 * cache.nbytes
+
+
+@pytest.mark.parametrize("how", ["wake", "new request"])
+def test_outputs_are_unchanged_after_sleep_and_nothing_cached_before_is_reused(how: str) -> None:
+    model = tiny_model("llama")
+    prompt = random_prompts([40], seed=71)[0]
+    with make_engine(model, block_size=8, num_blocks=64) as engine:
+        engine.add_request(prompt, "first", max_new_tokens=6)
+        first = run_engine(engine)["first"]
+        engine.add_request(prompt, "cached", max_new_tokens=6)
+        cached = run_engine(engine)["cached"]
+        assert cached.num_cached_tokens == 32 and cached.generated_tokens == first.generated_tokens
+        engine.sleep()
+        assert engine.block_pool.num_cached_blocks == 0
+        if how == "wake":
+            engine.wake()
+            engine.wake()
+            assert not engine.is_sleeping
+            engine.cache._storage.fill_(float("nan"))  # whatever the new memory holds must never be read
+        engine.add_request(prompt, "after", max_new_tokens=6)
+        after = run_engine(engine)["after"]
+        assert after.num_cached_tokens == 0
+        assert after.generated_tokens == first.generated_tokens == reference_generate(model, prompt, 6)
+
+
+def test_sleep_refuses_while_requests_are_unfinished_and_they_complete() -> None:
+    model = tiny_model("llama")
+    running, waiting = random_prompts([12, 9], seed=72)
+    with make_engine(model, block_size=8, num_blocks=64) as engine:
+        engine.add_request(running, "running", max_new_tokens=6)
+        (first,) = engine.step()
+        engine.add_request(waiting, "waiting", max_new_tokens=4)
+        with pytest.raises(RuntimeError, match="2 unfinished request"):
+            engine.sleep()
+        assert not engine.is_sleeping
+        finished = run_engine(engine)
+        assert [*first.new_token_ids, *finished["running"].generated_tokens] == reference_generate(model, running, 6)
+        assert finished["waiting"].generated_tokens == reference_generate(model, waiting, 4)
+        engine.sleep()
+        assert engine.is_sleeping
+        engine.check_integrity()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sleep_gives_gpu_memory_back_to_the_driver() -> None:
+    model = copy.deepcopy(tiny_model("llama")).cuda()
+    prompt = random_prompts([20], seed=73)[0]
+    with make_engine(model, **LARGE_CACHE) as engine:
+        torch.cuda.synchronize()
+        free_awake, _ = torch.cuda.mem_get_info()
+        engine.sleep()
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_awake >= 0.9 * engine.cache.nbytes
+        engine.add_request(prompt, "after", max_new_tokens=5)
+        assert run_engine(engine)["after"].finish_reason == "length"
+        free_woken, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_woken >= 0.9 * engine.cache.nbytes
