@@ -37,9 +37,12 @@ def generate_batch(
     and the other requests complete. `kwargs` may hold
     `max_new_tokens` and any `ContinuousBatchingConfig` field (which override `continuous_batching_config`);
     config fields carried by `generation_config` (as in transformers' older examples) are honoured when no
-    `continuous_batching_config` is given. Runs on a `ContinuousBatchingManager`; with
-    `persistent_manager=True` the manager (and its cache) stays attached to the model and is reused by the next
-    call with the same configuration. Either way the model gets its own attention implementation back before
+    `continuous_batching_config` is given. With `return_logprobs=True`, `generation_config.logprobs_mode`
+    ("raw", the default, or "processed": the distribution tokens were drawn from, see `SamplingParams`) chooses
+    which log-probabilities the outputs carry. Runs on a `ContinuousBatchingManager`; with
+    `persistent_manager=True` the manager (and its cache) stays attached to the model as `model._contbatch_manager`
+    and is reused by the next call with the same configuration; its `sleep()` gives the cache's memory back until
+    that call (e.g. while an RL trainer trains). Either way the model gets its own attention implementation back before
     this returns.
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)

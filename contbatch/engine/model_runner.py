@@ -75,7 +75,7 @@ class ModelRunner:
                logits_mask: torch.Tensor | None = None) -> ModelRunnerOutput:
         """Chooses the token of every sampling target of the step from `logits` (as returned by `execute`).
         `logits_mask` ([targets, vocab] bool, True = allowed), when given, removes tokens before sampling (the
-        hook for grammar bitmasks)."""
+        hook for grammar bitmasks); removed tokens are -inf in both "raw" and "processed" logprobs."""
         targets = scheduler_output.sampling_targets
         if len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
             logits = logits[torch.tensor(scheduler_output.sampling_rows, device=logits.device)]

@@ -16,15 +16,32 @@ class SamplerOutput:
 
     Attributes:
         token_ids: [N] int64 on CPU; row i is the token chosen for the request of logits row i.
-        logprobs: [N] float32 on CPU, log_softmax of the raw logits (before temperature, top-k and top-p)
-            at the chosen token, filled for every row; None when no row asked for logprobs.
-        top_logprobs: ([N, k] log-probabilities, [N, k] token ids) of each row's k most likely tokens, k the
-            largest `top_logprobs` asked for in the batch, on CPU; None when no row asked.
+        logprobs: [N] float32 on CPU: for each row that asked for logprobs, log_softmax at the chosen token of
+            the distribution its `logprobs_mode` names (see `SamplingParams`); the values of the other rows are
+            unspecified. None when no row asked.
+        top_logprobs: ([N, k] log-probabilities, [N, k] token ids) of each asking row's k most likely tokens
+            under that distribution, k the largest `top_logprobs` asked for in the batch, on CPU; tokens that
+            top-k or top-p removed have log-probability -inf. None when no row asked.
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class _Processed:
+    """The distribution the sampled rows were drawn from.
+
+    Attributes:
+        rows: the batch rows that sampled, in batch order; row j of `scores` is batch row rows[j].
+        scores: [M, vocab] float32 processed scores (see `process_logits`).
+        log_norm: [M, 1] logsumexp of `scores`: scores - log_norm is the log-probability of every token.
+    """
+
+    rows: list[int]
+    scores: torch.Tensor
+    log_norm: torch.Tensor
 
 
 class Sampler:
@@ -40,13 +57,16 @@ class Sampler:
 
         Args:
             logits: [N, vocab] float logits, on any device; all work stays on that device.
-            params: N sampling parameters; row i follows params[i].
+            params: N sampling parameters; row i follows params[i]. Rows may mix greedy and sampling, and
+                logprobs modes.
             generators: N generators on the logits' device; a sampled row with a generator draws its
                 randomness only from it, so its token depends only on its logits, its parameters and its
-                generator state, not on the rest of the batch. None draws from the global RNG.
+                generator state, not on the rest of the batch (nor on whether or how it asked for logprobs).
+                None draws from the global RNG.
 
         Returns:
-            The chosen tokens and, when any row asked, their log-probabilities, moved to CPU.
+            The chosen tokens and, when any row asked, their log-probabilities, moved to CPU. Processed
+            logprobs reuse the scores and normaliser the tokens were drawn with: no second pass of processing.
 
         Raises:
             ValueError: when logits is not 2-D or params/generators do not have one entry per row.
@@ -58,41 +78,101 @@ class Sampler:
             raise ValueError(f"got {n} logits rows, {len(params)} params and {len(generators)} generators")
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
-        if len(sampled) == n and n > 0:
-            token_ids = _sample_rows(logits, params, generators)
-        elif sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            token_ids[rows] = _sample_rows(
-                logits.index_select(0, rows), [params[i] for i in sampled], [generators[i] for i in sampled]
-            )
-        logprobs = top = None
-        if any(p.wants_logprobs for p in params):
-            raw = logits.float()
-            normaliser = raw.logsumexp(dim=-1, keepdim=True)
-            # logit - logsumexp equals log_softmax at the token without materialising a second [N, vocab].
-            logprobs = (raw.gather(1, token_ids[:, None]) - normaliser).squeeze(1).cpu()
-            k = max(p.top_logprobs for p in params)
-            if k:
-                values, ids = raw.topk(k, dim=-1)
-                top = ((values - normaliser).cpu(), ids.cpu())
+        processed = None
+        if sampled:
+            whole = len(sampled) == n
+            rows = None if whole else torch.tensor(sampled, device=logits.device)
+            scores = process_logits(logits if rows is None else logits.index_select(0, rows),
+                                    params if whole else [params[i] for i in sampled])
+            processed = _Processed(sampled, scores, scores.logsumexp(dim=-1, keepdim=True))
+            chosen = _draw(processed, generators if whole else [generators[i] for i in sampled])
+            if rows is None:
+                token_ids = chosen
+            else:
+                token_ids[rows] = chosen
+        logprobs, top = _logprobs(logits, token_ids, params, processed)
         return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs, top_logprobs=top)
 
 
-def _sample_rows(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """Samples one token per row of [M, vocab] `logits` (all rows with do_sample) and returns [M] int64."""
-    device = logits.device
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The scores sampled rows draw from: [M, vocab] float32 `logits` divided by each row's temperature, then
+    masked to -inf outside its top-k and then outside its top-p nucleus (`_mask_top_k_top_p`). Every logits
+    processor belongs here, so that "processed" logprobs see exactly what sampling saw."""
     scores = logits.float()
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
-        scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
-    scores = _mask_top_k_top_p(scores, params)
-    probs = torch.softmax(scores, dim=-1)
-    noise = _exponential_noise(probs.shape, generators, device)
+        scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=scores.device)[:, None]
+    return _mask_top_k_top_p(scores, params)
+
+
+def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draws one token per row of `processed` from softmax(scores) and returns [M] int64."""
+    probs = (processed.scores - processed.log_norm).exp()
+    noise = _exponential_noise(probs.shape, generators, probs.device)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p), exactly;
     # masked tokens have p_i == 0 and noise is bounded away from 0, so they can never win.
     return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams], processed: _Processed | None
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The `SamplerOutput` logprobs and top logprobs of the batch, on CPU; (None, None) when no row asks.
+    Raw rows are read from `logits`, processed rows from `processed` (which holds every sampled row); the raw
+    pass is skipped when no row needs it."""
+    if not any(p.wants_logprobs for p in params):
+        return None, None
+    k = max(p.top_logprobs for p in params)
+    targets = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs]
+    if processed is None or not targets:
+        return _to_cpu(*_read(logits.float(), None, token_ids, k))
+    dest = torch.tensor(targets, device=token_ids.device)
+    values, top = _read_processed(processed, targets, token_ids.index_select(0, dest), k)
+    if len(targets) == len(params):
+        return _to_cpu(values, top)
+    if any(p.wants_logprobs and not p.processed_logprobs for p in params):
+        base, base_top = _read(logits.float(), None, token_ids, k)
+    else:
+        base = torch.zeros(token_ids.shape, device=token_ids.device)
+        base_top = (torch.zeros((len(params), k), device=token_ids.device),
+                    torch.zeros((len(params), k), dtype=torch.long, device=token_ids.device))
+    base = base.index_copy(0, dest, values)
+    if top is not None and base_top is not None:
+        base_top = (base_top[0].index_copy(0, dest, top[0]), base_top[1].index_copy(0, dest, top[1]))
+    return _to_cpu(base, base_top)
+
+
+def _read_processed(
+    processed: _Processed, targets: list[int], token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`_read` of the processed rows of batch rows `targets` (sampled rows, in batch order) at `token_ids`."""
+    scores, log_norm = processed.scores, processed.log_norm
+    if len(targets) < len(processed.rows):
+        wanted = set(targets)
+        index = torch.tensor([j for j, row in enumerate(processed.rows) if row in wanted], device=scores.device)
+        scores, log_norm = scores.index_select(0, index), log_norm.index_select(0, index)
+    return _read(scores, log_norm, token_ids, k)
+
+
+def _read(
+    scores: torch.Tensor, log_norm: torch.Tensor | None, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """log_softmax of [R, vocab] float32 `scores` at `token_ids` ([R]) and, when k > 0, its k largest values
+    with their ids, computed as score - `log_norm` (the rows' logsumexp, computed here when None) so that no
+    second [R, vocab] tensor is materialised."""
+    if log_norm is None:
+        log_norm = scores.logsumexp(dim=-1, keepdim=True)
+    values = (scores.gather(1, token_ids[:, None]) - log_norm).squeeze(1)
+    if not k:
+        return values, None
+    top_values, top_ids = scores.topk(k, dim=-1)
+    return values, (top_values - log_norm, top_ids)
+
+
+def _to_cpu(
+    values: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    return values.cpu(), None if top is None else (top[0].cpu(), top[1].cpu())
 
 
 def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -9,8 +9,9 @@ from typing import Any
 from transformers import GenerationConfig
 
 _OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_ids", "seed", "logprobs",
-                "top_logprobs")
+                "top_logprobs", "logprobs_mode")
 MAX_TOP_LOGPROBS = 20
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,14 @@ class SamplingParams:
         eos_token_ids: generating any of these finishes the request with reason "stop" (the token is kept).
         seed: when set, the request samples from its own generator seeded with it, so its tokens do not
             depend on the rest of the batch.
-        logprobs: record the log-probability (under the raw logits) of each chosen token.
-        top_logprobs: also record the `top_logprobs` most likely tokens at each step, with their
-            log-probabilities (0 to MAX_TOP_LOGPROBS; implies `logprobs`).
+        logprobs: record the log-probability of each chosen token, under the distribution `logprobs_mode` names.
+        top_logprobs: also record the `top_logprobs` most likely tokens at each step under that distribution,
+            with their log-probabilities (0 to MAX_TOP_LOGPROBS; implies `logprobs`).
+        logprobs_mode: which distribution logprobs are taken from. "raw" (OpenAI's meaning): log_softmax of the
+            model's logits, before temperature, top-k and top-p. "processed": log_softmax of the scores the token
+            was drawn from (logits / temperature, then top-k and top-p, removed tokens at -inf), what RL importance
+            ratios need. A greedy request (do_sample=False) ignores temperature, top-k and top-p, so its processed
+            logprobs are its raw ones.
     """
 
     do_sample: bool = False
@@ -40,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -57,15 +64,22 @@ class SamplingParams:
         _check_int("top_logprobs", self.top_logprobs, minimum=0)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
-
+        if not isinstance(self.logprobs_mode, str) or self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
+    @property
+    def processed_logprobs(self) -> bool:
+        """Whether this request's logprobs come from the processed scores: "processed" mode and sampling."""
+        return self.do_sample and self.logprobs_mode == "processed"
+
     @classmethod
     def from_generation_config(cls, config: GenerationConfig | None, **overrides: Any) -> SamplingParams:
-        """Reads do_sample, temperature, top_k, top_p, max_new_tokens and eos_token_id from `config`, then applies
+        """Reads do_sample, temperature, top_k, top_p, max_new_tokens, eos_token_id and (when set, as an extra
+        attribute: `GenerationConfig(logprobs_mode="processed")`) logprobs_mode from `config`, then applies
         the non-None `overrides` (keys among SamplingParams' fields; `eos_token_id` is accepted for
         `eos_token_ids` and may be one id or a list). Raises ValueError naming an unknown key or a bad value."""
         base = cls()
@@ -78,6 +92,7 @@ class SamplingParams:
                 top_p=1.0 if config.top_p is None else config.top_p,
                 max_new_tokens=base.max_new_tokens if config.max_new_tokens is None else config.max_new_tokens,
                 eos_token_ids=_as_ids(config.eos_token_id),
+                logprobs_mode=_config_mode(config, base.logprobs_mode),
             )
         if "eos_token_id" in overrides:
             overrides["eos_token_ids"] = overrides.pop("eos_token_id")
@@ -90,6 +105,11 @@ class SamplingParams:
         if given.get("temperature", 1.0) != 1.0 or given.get("top_p", 1.0) != 1.0 or given.get("top_k", 0):
             given.setdefault("do_sample", True)
         return replace(base, **given)
+
+
+def _config_mode(config: GenerationConfig, default: str) -> str:
+    mode = getattr(config, "logprobs_mode", None)
+    return default if mode is None else mode
 
 
 def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
 
+from contbatch.engine import sampler as sampler_module
 from contbatch.engine.sampler import Sampler, SamplerOutput
 from contbatch.engine.sampling_params import SamplingParams
 
@@ -224,3 +225,96 @@ def test_seeded_row_independent_of_rest_of_batch() -> None:
     params = [*others[:2], mine, *others[2:]]
     crowded = run_steps(batch, params, [None, 7, 42, None, None, 9], steps=30)[:, 2]
     assert torch.equal(alone, crowded)
+
+
+def processed_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's processed scores by the documented contract, row by row: logits / temperature, then -inf
+    outside the top-k, then -inf at every token whose preceding (descending) mass reaches top_p; greedy: raw."""
+    if not params.do_sample:
+        return logits.float()
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        scores = scores.masked_fill(scores < scores.topk(params.top_k).values[-1], float("-inf"))
+    if params.top_p < 1.0:
+        probs, order = torch.softmax(scores, -1).sort(descending=True)
+        drop = torch.zeros_like(scores, dtype=torch.bool)
+        drop[order] = probs.cumsum(-1) - probs >= params.top_p
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def processed(**kwargs: object) -> SamplingParams:
+    return SamplingParams(logprobs_mode="processed", logprobs=True, **kwargs)  # type: ignore[arg-type]
+
+
+MODE_BATCHES = {
+    "all-processed": [processed(do_sample=True, temperature=0.6, top_logprobs=4),
+                      processed(do_sample=True, top_k=3, top_logprobs=4),
+                      processed(do_sample=True, temperature=1.4, top_p=0.5)],
+    "processed-and-silent-greedy": [SamplingParams(), processed(do_sample=True, temperature=0.6, top_k=7),
+                                    SamplingParams(do_sample=True, temperature=2.0),
+                                    processed(do_sample=True, top_p=0.3, top_logprobs=4)],
+    "mixed": [processed(temperature=0.5, top_k=2, top_logprobs=4),  # greedy: processed == raw
+              SamplingParams(logprobs=True, top_logprobs=4),
+              processed(do_sample=True, temperature=0.7, top_k=3, top_p=0.8, top_logprobs=4),
+              SamplingParams(do_sample=True, temperature=0.7, logprobs=True, top_logprobs=4),
+              SamplingParams(do_sample=True, top_k=5),
+              processed(do_sample=True, temperature=1.5)],
+}
+
+
+@pytest.mark.parametrize("batch", sorted(MODE_BATCHES))
+def test_logprobs_follow_each_rows_mode(batch: str) -> None:
+    params = MODE_BATCHES[batch]
+    logits = torch.randn(len(params), 40, generator=generator(9)) * 2
+    out = Sampler().sample(logits, params, [generator(i) for i in range(len(params))])
+    assert out.logprobs is not None
+    for i, p in enumerate(params):
+        if not p.wants_logprobs:
+            continue
+        source = processed_reference(logits[i], p) if p.logprobs_mode == "processed" else logits[i].float()
+        reference = torch.log_softmax(source, -1)
+        token = int(out.token_ids[i])
+        assert math.isfinite(float(out.logprobs[i]))
+        assert float(out.logprobs[i]) == pytest.approx(float(reference[token]), abs=1e-5)
+        if p.top_logprobs:
+            assert out.top_logprobs is not None
+            values, ids = out.top_logprobs[0][i, :p.top_logprobs], out.top_logprobs[1][i, :p.top_logprobs]
+            torch.testing.assert_close(values, reference.topk(p.top_logprobs).values, atol=1e-5, rtol=0)
+            torch.testing.assert_close(reference[ids], values, atol=1e-5, rtol=0)
+
+
+def test_greedy_processed_logprobs_equal_raw_exactly() -> None:
+    logits = torch.randn(2, 30, generator=generator(10))
+    params = [processed(temperature=0.3, top_k=2, top_p=0.4, top_logprobs=3), SamplingParams(logprobs=True,
+                                                                                            top_logprobs=3)]
+    out = Sampler().sample(torch.cat([logits[:1], logits[:1]]), params, [None, None])
+    assert out.logprobs is not None and out.top_logprobs is not None
+    assert out.logprobs[0] == out.logprobs[1]
+    assert torch.equal(out.top_logprobs[0][0], out.top_logprobs[0][1])
+    assert torch.equal(out.top_logprobs[1][0], out.top_logprobs[1][1])
+
+
+def test_the_mode_does_not_change_the_tokens() -> None:
+    logits = torch.randn(3, 60, generator=generator(11))
+    settings = [dict(temperature=0.8), dict(top_k=6, top_p=0.9), dict(temperature=1.2, top_p=0.7)]
+    modes = {mode: [SamplingParams(do_sample=True, logprobs=True, logprobs_mode=mode, **s)  # type: ignore[arg-type]
+                    for s in settings] for mode in ("raw", "processed")}
+    tokens = {mode: run_steps(logits, params, [1, 2, 3], steps=20) for mode, params in modes.items()}
+    assert torch.equal(tokens["raw"], tokens["processed"])
+
+
+def test_processed_logprobs_reuse_the_sampling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scores are processed (and sorted for top-k/top-p) once per step, for sampling and logprobs alike."""
+    calls = []
+    mask = sampler_module._mask_top_k_top_p
+
+    def counted(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        calls.append(scores.shape[0])
+        return mask(scores, params)
+
+    monkeypatch.setattr(sampler_module, "_mask_top_k_top_p", counted)
+    params = [processed(do_sample=True, top_k=4, top_p=0.8, top_logprobs=3), SamplingParams(logprobs=True),
+              SamplingParams(do_sample=True, top_p=0.5, logprobs=True)]
+    Sampler().sample(torch.randn(3, 50, generator=generator(12)), params, [None] * 3)
+    assert calls == [2]

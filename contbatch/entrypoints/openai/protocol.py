@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from contbatch.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16
+LOGPROB_FLOOR = -9999.0
 
 
 class StreamOptions(BaseModel):
@@ -16,7 +17,13 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions. Unknown fields are ignored, as OpenAI does."""
+    """Fields shared by completions and chat completions. Unknown fields are ignored, as OpenAI does.
+
+    `logprobs_mode` is an extra body field (as vLLM's are; `extra_body=` in the `openai` client): "raw" (the
+    default, OpenAI's meaning) or "processed" (log-probabilities under the distribution the token was drawn from:
+    after temperature, top-k and top-p); another value is answered 400 naming it. Tokens removed by top-k or
+    top-p have log-probability -inf, reported as LOGPROB_FLOOR since JSON has no infinity.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
@@ -30,6 +37,7 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs_mode: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -4,6 +4,7 @@ and answering it as one JSON body or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from contbatch.entrypoints.openai.formatting import ChoiceDelta, Formatter, usage
 from contbatch.entrypoints.openai.metrics import ServerMetrics
-from contbatch.entrypoints.openai.protocol import APIError, SamplingFields
+from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR, APIError, SamplingFields
 from contbatch.frontend.async_client import AsyncClient, GenerationStream
 from contbatch.frontend.client import EngineClient
 from contbatch.outputs import RequestStatus
@@ -80,7 +81,8 @@ def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -
     temperature = 1.0 if body.temperature is None else body.temperature
     sampling: dict[str, Any] = {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
                                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-                                "logprobs": call.logprobs, "top_logprobs": call.top_logprobs}
+                                "logprobs": call.logprobs, "top_logprobs": call.top_logprobs,
+                                "logprobs_mode": body.logprobs_mode}
     try:
         stream = state.async_client.submit(call.prompt_ids, request_id=call.request_id, n=body.n,
                                      max_new_tokens=call.max_tokens, streaming=body.stream,
@@ -104,7 +106,18 @@ async def _deltas(stream: GenerationStream, metrics: ServerMetrics) -> AsyncIter
             if output.is_finished():
                 reason = "length" if output.finish_reason == "length" else "stop"
                 metrics.observe_finished(output)
-            yield ChoiceDelta.of(choice.index, output, reason)
+            yield _finite(ChoiceDelta.of(choice.index, output, reason))
+
+
+def _finite(delta: ChoiceDelta) -> ChoiceDelta:
+    """`delta` with every -inf log-probability (a token top-k or top-p removed, in "processed" mode) raised to
+    LOGPROB_FLOOR, as vLLM does: JSON has no infinity."""
+    values = [*delta.logprobs, *(lp for top in delta.top_logprobs for _, lp in top)]
+    if all(lp != float("-inf") for lp in values):
+        return delta
+    return dataclasses.replace(
+        delta, logprobs=[max(lp, LOGPROB_FLOOR) for lp in delta.logprobs],
+        top_logprobs=[[(i, max(lp, LOGPROB_FLOOR)) for i, lp in top] for top in delta.top_logprobs])
 
 
 async def _collect(stream: GenerationStream, formatter: Formatter, prompt_tokens: int,

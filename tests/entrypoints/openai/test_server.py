@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -19,6 +20,7 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.data.prompts import chat_inputs
 from contbatch.entrypoints.openai.app import create_app
+from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR
 from tests.conftest import run_threads
 
 MODEL = "tiny-llama"
@@ -180,6 +182,46 @@ def test_logprobs_and_top_logprobs(served: Served) -> None:
                                                  max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(item.top_logprobs) == 2 for item in content)
+
+
+def test_logprobs_mode_extra_body(served: Served) -> None:
+    """`extra_body={"logprobs_mode": "processed"}` changes the logprobs, not the tokens (same seed), on both
+    endpoints; tokens removed by top-k are reported at LOGPROB_FLOOR, never as an invalid JSON infinity."""
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="Importance ratios", max_tokens=6, temperature=1.6, seed=5,
+                                  logprobs=2)
+    raw = served.client.completions.create(**kwargs).choices[0]
+    processed = served.client.completions.create(**kwargs, extra_body={"logprobs_mode": "processed"}).choices[0]
+    assert processed.text == raw.text
+    raw_lp, processed_lp = raw.logprobs.token_logprobs, processed.logprobs.token_logprobs
+    assert all(-50 < lp <= 0 for lp in processed_lp)
+    assert max(abs(a - b) for a, b in zip(raw_lp, processed_lp, strict=True)) > 1e-2
+    chat_kwargs: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       temperature=0.5, seed=3, logprobs=True)
+    raw_chat = served.client.chat.completions.create(**chat_kwargs).choices[0]
+    processed_chat = served.client.chat.completions.create(
+        **chat_kwargs, extra_body={"logprobs_mode": "processed"}).choices[0]
+    assert processed_chat.message.content == raw_chat.message.content
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(raw_chat.logprobs.content, processed_chat.logprobs.content,
+                                                          strict=True)) > 1e-2
+    certain = served.client.completions.create(model=MODEL, prompt="x", max_tokens=3, logprobs=3,
+                                               extra_body={"logprobs_mode": "processed", "top_k": 1}
+                                               ).choices[0].logprobs
+    assert certain.token_logprobs == [0.0, 0.0, 0.0]
+    assert all(max(top.values()) == 0.0 and min(top.values()) == LOGPROB_FLOOR for top in certain.top_logprobs)
+    assert served.wait_until_pool_whole()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_an_unknown_logprobs_mode_is_a_400_naming_it(served: Served, endpoint: str) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "logprobs_mode": "foo"}
+    body.update({"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+    response = httpx.post(f"{served.live.url}/v1/{endpoint}", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and "logprobs_mode" in error["message"] and "'foo'" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="'foo'"):
+        served.client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"logprobs_mode": "foo"})
+    assert httpx.get(f"{served.live.url}/health").status_code == 200
 
 
 def test_concurrent_requests_keep_their_own_sampling_parameters(served: Served) -> None:
