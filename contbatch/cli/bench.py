@@ -19,11 +19,15 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--engines", default="contbatch,transformers,static",
                        help="comma-separated subset of contbatch,transformers,static")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
-    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo"], default="throughput",
+    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo", "grpo-trl"], default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
                        "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
-                       "temperature 1.0, vs transformers' generate_batch")
-    bench.add_argument("--samples", type=int, default=8, help="--workload grpo: samples per prompt")
+                       "temperature 1.0, vs transformers' generate_batch; grpo-trl: TRL GRPO training steps of N "
+                       "prompts x --samples generations, ContbatchGRPOTrainer vs TRL's transformers-CB and generate "
+                       "paths (extra `trl`)")
+    bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
+    bench.add_argument("--grpo-steps", type=int, default=3,
+                       help="--workload grpo-trl: optimizer steps per trainer (the first is a warm-up)")
     bench.add_argument("--serve", action="store_true",
                        help="benchmark OpenAI-compatible servers under a Poisson request load instead")
     bench.add_argument("--rate", type=float, default=2.0, help="--serve: mean requests/s (inf: all at once)")
@@ -43,6 +47,8 @@ def _bench(args: argparse.Namespace) -> int:
         from contbatch.bench import serve as bench_serve
 
         return bench_serve.run(args)
+    if args.workload == "grpo-trl":
+        return _bench_grpo_trl(args)
     if args.workload != "throughput":
         return _bench_workload(args)
     from contbatch.bench import throughput
@@ -107,6 +113,27 @@ def _bench_workload(args: argparse.Namespace) -> int:
     num_params = sum(parameter.numel() for parameter in model.parameters())
     table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
     text = "\n".join([f"workload: {title}", "", table, "", *lines])
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+def _bench_grpo_trl(args: argparse.Namespace) -> int:
+    """Run `contbatch bench --workload grpo-trl`: each selected trainer in its own process; print the table."""
+    from contbatch.data.embedded import resolve_model_dir
+    from contbatch.integrations.trl import benchmark
+
+    names = {"contbatch": "contbatch", "transformers": "transformers-cb", "static": "generate"}
+    engines = [name.strip() for name in args.engines.split(",") if name.strip()]
+    unknown = set(engines) - set(names)
+    if unknown or not engines:
+        raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among {','.join(names)}")
+    settings = benchmark.GRPOSettings(str(resolve_model_dir(args.model)), num_prompts=args.num_prompts,
+                                      num_generations=args.samples, max_completion_length=args.max_new_tokens,
+                                      steps=args.grpo_steps)
+    table = benchmark.format_table(benchmark.compare([names[e] for e in engines], settings), settings)
+    text = f"{table}\n\n{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")

@@ -1,0 +1,151 @@
+"""`ContbatchGRPOTrainer`: TRL's `GRPOTrainer` generating with contbatch on the live training model.
+
+No second copy of the weights and no weight sync: the engine runs the very model object the trainer optimises (its
+attention function hands every non-contbatch forward back to the model's own implementation, so training is
+unchanged). One engine serves the whole run; after each optimizer step the engine is told the weights changed, so
+no KV computed under the old policy is reused and outputs carry the new `weights_version`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from trl import GRPOTrainer
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, RequestStatus
+
+
+class ContbatchGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` (same arguments) whose single-turn generation runs on contbatch.
+
+    Keyword-only additions:
+        contbatch_config: the engine's settings (default: a cache of at most half the free memory).
+        release_kv_between_steps: free the KV cache after each generation phase (`ContinuousBatchingManager.sleep`)
+            so that the optimizer step has the memory; the next generation takes it back. Default: on for CUDA,
+            off on CPU (where an untouched cache costs no resident memory).
+
+    Each call generates every distinct prompt once with `n` = its number of copies (TRL repeats each prompt
+    `num_generations` times), so a prompt's prefill is computed once and its samples share its KV blocks. It returns
+    the completion ids and, per token, the log-probability of the distribution the token was sampled from
+    (temperature, top-k and top-p applied: contbatch's "processed" logprobs), which TRL stores as
+    `sampling_per_token_logps` for its off-policy mask. Multimodal models, `use_vllm`,
+    `use_transformers_continuous_batching`, prompt-learning PEFT adapters, `min_p` and `repetition_penalty` are
+    refused at construction with a ValueError naming them.
+    """
+
+    def __init__(self, *args: Any, contbatch_config: ContinuousBatchingConfig | None = None,
+                 release_kv_between_steps: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _check_supported(self)
+        self.contbatch_config = contbatch_config or ContinuousBatchingConfig(max_memory_percent=0.5)
+        if release_kv_between_steps is None:
+            release_kv_between_steps = self.accelerator.device.type == "cuda"
+        self.release_kv_between_steps = release_kv_between_steps
+        self.contbatch_manager: ContinuousBatchingManager | None = None
+        self._contbatch_step: int | None = None
+
+    def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any],
+                              num_generations: int, has_tool_images: bool = False
+                              ) -> tuple[list[list[int]], list[list[float]]]:
+        """TRL's generation hook: one completion per entry of `prompt_ids` (in order) and the processed logprob
+        of each completion token. Raises RuntimeError naming the request when contbatch fails one."""
+        if images is not None or multimodal_fields or has_tool_images:
+            raise ValueError("ContbatchGRPOTrainer generates text only: got images or multimodal fields")
+        manager = self._manager()
+        if self._contbatch_step is not None and self._contbatch_step != self.state.global_step:
+            manager.mark_weights_updated()
+        self._contbatch_step = self.state.global_step
+        with _eval_mode(manager.model):
+            outputs = self._run(manager, prompt_ids)
+        if self.release_kv_between_steps:
+            manager.sleep()
+        return [output.generated_tokens for output in outputs], [list(output.logprobs) for output in outputs]
+
+    def _run(self, manager: ContinuousBatchingManager, prompt_ids: Sequence[Sequence[int]]) -> list[GenerationOutput]:
+        """Generates for every prompt, each distinct prompt once with n samples; outputs in prompt order."""
+        copies: dict[tuple[int, ...], list[int]] = {}
+        for index, ids in enumerate(prompt_ids):
+            copies.setdefault(tuple(ids), []).append(index)
+        sample_of: dict[str, int] = {}
+        for number, (ids, indices) in enumerate(copies.items()):
+            request_id = manager.add_request(list(ids), request_id=f"grpo-{number}", n=len(indices),
+                                             max_new_tokens=self.max_completion_length, **self._sampling())
+            sample_ids = [request_id] if len(indices) == 1 else [f"{request_id}_{j}" for j in range(len(indices))]
+            sample_of.update(zip(sample_ids, indices, strict=True))
+        outputs: list[GenerationOutput | None] = [None] * len(prompt_ids)
+        for _ in range(len(prompt_ids)):
+            output = manager.get_result(timeout=None)
+            if output is None:
+                raise RuntimeError("contbatch stopped before every completion was generated")
+            if output.status == RequestStatus.FAILED:
+                raise RuntimeError(f"contbatch failed request {output.request_id!r}: {output.error}")
+            outputs[sample_of[output.request_id]] = output
+        return [output for output in outputs if output is not None]
+
+    def _sampling(self) -> dict[str, Any]:
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or 0,
+                "eos_token_id": list(self.eos_token_ids), "logprobs": True, "logprobs_mode": "processed"}
+
+    def _manager(self) -> ContinuousBatchingManager:
+        """The run's one manager, started on the unwrapped training model at the first generation."""
+        if self.contbatch_manager is None:
+            model = _generating_model(self.accelerator.unwrap_model(self.model_wrapped))
+            self.contbatch_manager = ContinuousBatchingManager(model, None, self.contbatch_config)
+            self.contbatch_manager.start()
+        return self.contbatch_manager
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, then the engine is stopped and its cache freed (the model gets its attention back)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_contbatch()
+
+    def close_contbatch(self) -> None:
+        """Stops the engine and frees its cache (idempotent); a later generation starts a new one."""
+        if self.contbatch_manager is not None:
+            self.contbatch_manager.stop()
+            self.contbatch_manager = None
+            self._contbatch_step = None
+
+
+def _check_supported(trainer: GRPOTrainer) -> None:
+    refused = [name for name in ("use_vllm", "use_transformers_continuous_batching") if getattr(trainer, name)]
+    if trainer.min_p:
+        refused.append(f"min_p={trainer.min_p!r}")
+    if trainer.repetition_penalty != 1.0:
+        refused.append(f"repetition_penalty={trainer.repetition_penalty!r}")
+    if getattr(trainer, "_is_vlm", False):
+        refused.append("a multimodal model")
+    if refused:
+        raise ValueError(f"ContbatchGRPOTrainer does not support {', '.join(refused)}: it generates with contbatch")
+    _generating_model(trainer.accelerator.unwrap_model(trainer.model))
+
+
+def _generating_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model contbatch runs: the model itself, or a PEFT model's base model, into which LoRA-style
+    adapters are injected (so active adapters apply). Prompt-learning adapters live outside it: refused."""
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        adapter = model.peft_config[model.active_adapter]
+        if adapter.is_prompt_learning:
+            raise ValueError(f"ContbatchGRPOTrainer does not support prompt-learning PEFT adapters "
+                             f"({adapter.peft_type}): their virtual tokens are not part of the model's forward")
+        return model.get_base_model()
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"ContbatchGRPOTrainer needs a transformers model, got {type(model).__name__}")
+    return model
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Generation runs without dropout (and so without gradient checkpointing); the mode is restored after."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
