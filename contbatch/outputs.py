@@ -17,7 +17,8 @@ class GenerationOutput:
         request_id: the id the request was submitted under.
         prompt_ids: the prompt's token ids, as submitted.
         generated_tokens: the tokens generated so far (all of them once the status is terminal).
-        logprobs: the log-probability of each generated token under the model's raw logits, when asked for.
+        logprobs: the log-probability of each generated token, when asked for: under the raw logits, or under
+            the distribution it was drawn from with `logprobs_mode="processed"`.
         status: the request's status when this output was made.
         finish_reason: "stop" (an EOS token or a stop string), "length" (max_new_tokens), "cancelled" or
             "error"; None while running.

@@ -74,7 +74,8 @@ class ModelRunnerOutput:
     Attributes:
         request_ids: the sampling requests, in the order of `SchedulerOutput.sampling_targets`.
         sampled_token_ids: the token chosen for each.
-        logprobs: for each, the log-probability of its token under the raw logits; None when no row asked.
+        logprobs: for each, the log-probability of its token under the distribution its `logprobs_mode` names;
+            None when no row asked.
         top_logprobs: for each, the k most likely (token id, logprob) pairs, k the largest `top_logprobs`
             asked in the step; None when no row asked.
         prompt_logprobs: per request id, the logprobs of the prompt tokens computed this step (room for

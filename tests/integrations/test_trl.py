@@ -128,7 +128,7 @@ def test_grpo_with_lora_and_gradient_checkpointing(tmp_path: Path, tokenizer: Pr
         args=grpo_args(tmp_path, steps=2, gradient_checkpointing=True),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), processing_class=tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
-        contbatch_config=ContinuousBatchingConfig(block_size=8, num_blocks=256),
+        contbatch_config=ContinuousBatchingConfig(block_size=8, num_blocks=256), release_kv_between_steps=False,
     )
     lora = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_B" in name}
     base = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "base_layer" in name}
@@ -148,10 +148,15 @@ def test_grpo_with_lora_and_gradient_checkpointing(tmp_path: Path, tokenizer: Pr
     assert all(torch.equal(named[name], value) for name, value in base.items())
 
 
-def test_unsupported_settings_are_refused_by_name(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    with pytest.raises(ValueError, match=r"repetition_penalty=1\.3"):
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"repetition_penalty": 1.3}, r"repetition_penalty=1\.3"),
+    ({"generation_kwargs": {"num_beams": 2}}, r"generation_kwargs\['num_beams'\]"),
+])
+def test_unsupported_settings_are_refused_by_name(tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
+                                                  setting: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         ContbatchGRPOTrainer(model=tiny_policy(tokenizer), reward_funcs=distinct_characters,
-                             args=grpo_args(tmp_path, steps=1, repetition_penalty=1.3),
+                             args=grpo_args(tmp_path, steps=1, **setting),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
 
 
@@ -160,3 +165,22 @@ def test_numeric_answer_reward() -> None:
     chat = [[{"role": "assistant", "content": "So the answer is 72."}], [{"role": "assistant", "content": "1,000"}]]
     assert numeric_answer_reward(chat, answers) == [1.0, 1.0]
     assert numeric_answer_reward(["It is 71", "no idea"], answers) == [0.1, 0.0]
+
+
+def test_a_failed_completion_raises_naming_it_and_leaves_the_engine_clean(
+        tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    trainer = ContbatchGRPOTrainer(
+        model=tiny_policy(tokenizer), reward_funcs=distinct_characters, args=grpo_args(tmp_path, steps=1),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+        contbatch_config=ContinuousBatchingConfig(block_size=8, num_blocks=256), release_kv_between_steps=False,
+    )
+    short, too_long = [5, 6, 7], [5] * 600
+    try:
+        with pytest.raises(ValueError, match=r"grpo-0-1.*600 tokens"):
+            trainer._generate_single_turn([short, short, too_long], None, {}, 2)
+        completions, logprobs = trainer._generate_single_turn([short, short], None, {}, 2)
+        assert [len(c) for c in completions] == [len(lp) for lp in logprobs] and all(completions)
+        engine = trainer.contbatch_manager.engine
+        assert not engine.requests and engine.block_pool.is_whole
+    finally:
+        trainer.close_contbatch()

@@ -8,6 +8,7 @@ no KV computed under the old policy is reused and outputs carry the new `weights
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +19,8 @@ from trl import GRPOTrainer
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, RequestStatus
 
+GENERATION_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "eos_token_id", "seed")
+
 
 class ContbatchGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` (same arguments) whose single-turn generation runs on contbatch.
@@ -25,34 +28,35 @@ class ContbatchGRPOTrainer(GRPOTrainer):
     Keyword-only additions:
         contbatch_config: the engine's settings (default: a cache of at most half the free memory).
         release_kv_between_steps: free the KV cache after each generation phase (`ContinuousBatchingManager.sleep`)
-            so that the optimizer step has the memory; the next generation takes it back. Default: on for CUDA,
-            off on CPU (where an untouched cache costs no resident memory).
+            so that the training step has the memory; the next generation takes it back (default True: on CPU too
+            the cache's written pages are resident, and giving them back costs milliseconds per step).
 
     Each call generates every distinct prompt once with `n` = its number of copies (TRL repeats each prompt
     `num_generations` times), so a prompt's prefill is computed once and its samples share its KV blocks. It returns
     the completion ids and, per token, the log-probability of the distribution the token was sampled from
     (temperature, top-k and top-p applied: contbatch's "processed" logprobs), which TRL stores as
     `sampling_per_token_logps` for its off-policy mask. Multimodal models, `use_vllm`,
-    `use_transformers_continuous_batching`, prompt-learning PEFT adapters, `min_p` and `repetition_penalty` are
-    refused at construction with a ValueError naming them.
+    `use_transformers_continuous_batching`, prompt-learning PEFT adapters, `min_p`, `repetition_penalty` and
+    `generation_kwargs` keys outside `GENERATION_KWARGS` are refused at construction with a ValueError naming
+    them.
     """
 
     def __init__(self, *args: Any, contbatch_config: ContinuousBatchingConfig | None = None,
-                 release_kv_between_steps: bool | None = None, **kwargs: Any) -> None:
+                 release_kv_between_steps: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _check_supported(self)
         self.contbatch_config = contbatch_config or ContinuousBatchingConfig(max_memory_percent=0.5)
-        if release_kv_between_steps is None:
-            release_kv_between_steps = self.accelerator.device.type == "cuda"
         self.release_kv_between_steps = release_kv_between_steps
         self.contbatch_manager: ContinuousBatchingManager | None = None
         self._contbatch_step: int | None = None
+        self._calls = itertools.count()
 
     def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any],
                               num_generations: int, has_tool_images: bool = False
                               ) -> tuple[list[list[int]], list[list[float]]]:
         """TRL's generation hook: one completion per entry of `prompt_ids` (in order) and the processed logprob
-        of each completion token. Raises RuntimeError naming the request when contbatch fails one."""
+        of each completion token. A prompt contbatch refuses raises ValueError, a request failing in the engine
+        RuntimeError, both naming the request; the call's other requests are then cancelled."""
         if images is not None or multimodal_fields or has_tool_images:
             raise ValueError("ContbatchGRPOTrainer generates text only: got images or multimodal fields")
         manager = self._manager()
@@ -71,24 +75,25 @@ class ContbatchGRPOTrainer(GRPOTrainer):
         for index, ids in enumerate(prompt_ids):
             copies.setdefault(tuple(ids), []).append(index)
         sample_of: dict[str, int] = {}
-        for number, (ids, indices) in enumerate(copies.items()):
-            request_id = manager.add_request(list(ids), request_id=f"grpo-{number}", n=len(indices),
-                                             max_new_tokens=self.max_completion_length, **self._sampling())
-            sample_ids = [request_id] if len(indices) == 1 else [f"{request_id}_{j}" for j in range(len(indices))]
-            sample_of.update(zip(sample_ids, indices, strict=True))
-        outputs: list[GenerationOutput | None] = [None] * len(prompt_ids)
-        for _ in range(len(prompt_ids)):
-            output = manager.get_result(timeout=None)
-            if output is None:
-                raise RuntimeError("contbatch stopped before every completion was generated")
-            if output.status == RequestStatus.FAILED:
-                raise RuntimeError(f"contbatch failed request {output.request_id!r}: {output.error}")
-            outputs[sample_of[output.request_id]] = output
-        return [output for output in outputs if output is not None]
+        call = next(self._calls)
+        try:
+            for number, (ids, indices) in enumerate(copies.items()):
+                request_id = manager.add_request(list(ids), request_id=f"grpo-{call}-{number}", n=len(indices),
+                                                 max_new_tokens=self.max_completion_length, **self._sampling())
+                samples = [request_id] if len(indices) == 1 else [f"{request_id}_{j}" for j in range(len(indices))]
+                sample_of.update(zip(samples, indices, strict=True))
+            return _collect(manager, sample_of)
+        except BaseException:
+            for request_id in sample_of:
+                manager.cancel_request(request_id)
+            raise
 
     def _sampling(self) -> dict[str, Any]:
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or 0,
-                "eos_token_id": list(self.eos_token_ids), "logprobs": True, "logprobs_mode": "processed"}
+        """The per-request sampling settings: TRL's, then `args.generation_kwargs` (keys in `GENERATION_KWARGS`)."""
+        sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or 0,
+                    "eos_token_id": list(self.eos_token_ids)}
+        sampling.update(self.args.generation_kwargs or {})
+        return {**sampling, "logprobs": True, "logprobs_mode": "processed"}
 
     def _manager(self) -> ContinuousBatchingManager:
         """The run's one manager, started on the unwrapped training model at the first generation."""
@@ -113,8 +118,24 @@ class ContbatchGRPOTrainer(GRPOTrainer):
             self._contbatch_step = None
 
 
+def _collect(manager: ContinuousBatchingManager, sample_of: dict[str, int]) -> list[GenerationOutput]:
+    """The final output of every request of `sample_of`, placed at its index; raises RuntimeError naming a failed
+    request."""
+    outputs: list[GenerationOutput | None] = [None] * len(sample_of)
+    for request_id, index in sample_of.items():
+        output = manager.get_result(request_id)
+        if output is None:
+            raise RuntimeError("contbatch stopped before every completion was generated")
+        if output.status == RequestStatus.FAILED:
+            raise RuntimeError(f"contbatch failed request {request_id!r}: {output.error}")
+        outputs[index] = output
+    return [output for output in outputs if output is not None]
+
+
 def _check_supported(trainer: GRPOTrainer) -> None:
     refused = [name for name in ("use_vllm", "use_transformers_continuous_batching") if getattr(trainer, name)]
+    refused += [f"generation_kwargs[{key!r}]" for key in trainer.args.generation_kwargs or {}
+                if key not in GENERATION_KWARGS]
     if trainer.min_p:
         refused.append(f"min_p={trainer.min_p!r}")
     if trainer.repetition_penalty != 1.0:
