@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contbatch.engine.outputs import PromptLogprob
 from contbatch.engine.request import RequestStatus
 
-__all__ = ["GenerationOutput", "RequestStatus"]
+__all__ = ["GenerationOutput", "PromptLogprob", "RequestStatus"]
 
 
 @dataclass
@@ -35,6 +36,14 @@ class GenerationOutput:
         new_text: the part of `text` new since the previous output.
         weights_version: the engine's weights version when this output was made (see
             `ContinuousBatchingManager.mark_weights_updated`).
+        prompt_logprobs: when the request asked for them (`prompt_logprobs=k`, k in 0..20), one entry per prompt
+            token: None for the first (nothing precedes it), then a `PromptLogprob` per token: `logprob`, its
+            log-probability given the tokens before it (log_softmax of the raw logits, float32, no temperature
+            or top-k/top-p), and `top_logprobs`, the k most likely (token id, logprob) there, most likely first.
+            Complete in the final output (and in every streamed output, since the prompt is computed before the
+            first token); all n samples of a prompt carry the same. Such a request computes its whole
+            prompt, taking nothing from the prefix cache (`num_cached_tokens` stays 0, except for the samples
+            forked from it). None when not asked for.
     """
 
     request_id: str
@@ -52,6 +61,7 @@ class GenerationOutput:
     text: str | None = None
     new_text: str = ""
     weights_version: int = 0
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def is_finished(self) -> bool:
         return self.status.is_finished

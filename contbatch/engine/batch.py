@@ -20,6 +20,22 @@ class SamplingTarget:
     generator: torch.Generator | None
 
 
+class PromptLogprobsTask(NamedTuple):
+    """The prompt logprobs one scheduled chunk produces: the entries of prompt tokens `first`, `first + 1`, ...
+
+    Attributes:
+        first: the prompt index of the chunk's first entry; 0 means the entry of token 0 (None: nothing
+            precedes it, no logits) comes first.
+        token_ids: the prompt tokens whose logprobs the chunk computes, those at prompt indices `max(first, 1)`
+            onwards; token i is scored by the logits at position i - 1, which the chunk computes.
+        num_top: how many most likely tokens to report with each (the request's `prompt_logprobs`).
+    """
+
+    first: int
+    token_ids: Sequence[int]
+    num_top: int
+
+
 class ScheduledRequest(NamedTuple):
     """One request's share of a step (immutable).
 
@@ -32,6 +48,7 @@ class ScheduledRequest(NamedTuple):
         samplers: who samples from the logits of its last token: empty when the chunk stops short of the
             request's last token, else the request itself followed by the requests forked from it that wait
             for its prompt (n samples of one prompt share one logits row).
+        prompt_logprobs: the prompt logprobs this chunk produces, for a request that asks for them; else None.
     """
 
     request_id: str
@@ -39,6 +56,7 @@ class ScheduledRequest(NamedTuple):
     num_computed_tokens: int
     block_tables: Sequence[list[int]]
     samplers: tuple[SamplingTarget, ...] = ()
+    prompt_logprobs: PromptLogprobsTask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -152,8 +152,9 @@ class LLMEngine:
         """Adds `child`, made by `make_request` with the prompt `self.requests[parent_id].token_ids` (the parent's
         whole sequence so far), sharing the KV blocks the parent computed (copy-on-write): n samples of a prompt
         fork before the first token and share its prefill; a fork later (beams) shares everything computed.
-        Raises ValueError for an unknown or finished parent, a duplicate id, or a prompt that is not the parent's
-        sequence."""
+        Raises ValueError for an unknown or finished parent, a duplicate id, a prompt that is not the parent's
+        sequence, or prompt logprobs the child cannot get (see `Scheduler.fork`: a fork sharing the prefill asks
+        for the parent's `prompt_logprobs` and receives the same entries)."""
         parent = self.requests.get(parent_id)
         if parent is None:
             raise ValueError(f"request {child.request_id!r}: cannot fork from {parent_id!r}, which is not running")

@@ -152,8 +152,10 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> PrefixHit | None:
         """The longest cached prefix of `request`'s tokens, leaving at least its last token to be computed (its
         logits are needed), or None. Every group must have the blocks of the prefix its policy says the first
-        query after it can see (all of them for full attention, those in the window for a sliding group)."""
-        if not self.enable_caching:
+        query after it can see (all of them for full attention, those in the window for a sliding group).
+        None for a request that still needs prompt logprobs: a cached prefix has no logits, so it computes its
+        whole prompt (and the blocks it fills are still cached for others)."""
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return None
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
         found = [self._lookup(hashes, group) for group in range(len(self.policies))]
@@ -172,8 +174,10 @@ class KVCacheManager:
 
     def is_being_computed(self, request: Request, num_cached_blocks: int) -> bool:
         """True when the first block `request` would compute is being computed right now by another running
-        request: waiting a step or two then shares it instead of computing it twice."""
-        if not self.enable_caching or num_cached_blocks >= (request.num_tokens - 1) // self.block_size:
+        request: waiting a step or two then shares it instead of computing it twice. Never for a request that
+        needs prompt logprobs (it shares nothing)."""
+        if (not self.enable_caching or request.needs_prompt_logprobs
+                or num_cached_blocks >= (request.num_tokens - 1) // self.block_size):
             return False
         owner = self._pending.get(self._hashes(request, num_cached_blocks + 1)[num_cached_blocks])
         return owner is not None and owner != request.request_id

@@ -14,10 +14,12 @@ from contbatch.engine.attention import (
     register_paged_attention,
     remember_own_attention,
 )
-from contbatch.engine.batch import SchedulerOutput
+from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
 from contbatch.engine.kv_cache import PagedKVCache
-from contbatch.engine.outputs import ModelRunnerOutput
+from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.sampler import Sampler
+
+LOG_SOFTMAX_ROWS = 256
 
 
 class ModelRunner:
@@ -27,6 +29,10 @@ class ModelRunner:
     it had. Every step is one forward over one packed, ragged batch (`[1, num_tokens]`, no padding between
     requests), and logits are computed only at the positions that sample (`execute`); sampling is a separate
     stage (`sample`), so a logits mask can come between the two.
+
+    Prompt logprobs: `execute` also keeps the logits rows of the chunks that ask for them (a
+    `PromptLogprobsTask`) and turns them into entries at once; the next `sample` hands those entries on in its
+    `ModelRunnerOutput.prompt_logprobs`. Requests that do not ask cost nothing: no extra rows are computed.
     """
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
@@ -38,6 +44,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.device = cache.keys[0].device
         self._previous_attention: str | None = None
+        self._prompt_logprobs: dict[str, list[PromptLogprob]] = {}
         self.attach()
 
     def attach(self) -> None:
@@ -57,7 +64,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Computes the batch's tokens into the cache; returns the logits [scheduled requests that sample,
-        vocab], in batch order."""
+        vocab], in batch order. The logits rows of prompt logprobs tasks are computed in the same forward, after
+        the sampling rows, and become the entries the next `sample` returns."""
+        self._prompt_logprobs = {}
         input_ids, positions, logits_indices, metadata = self.prepare(scheduler_output)
         self.cache.copy_blocks(scheduler_output.block_copies)
         with paged_forward():
@@ -68,14 +77,19 @@ class ModelRunner:
                 logits_to_keep=logits_indices,
                 **{METADATA_KWARG: metadata},
             )
-        return output.logits[0]
+        logits = output.logits[0]
+        num_sampling = sum(1 for entry in scheduler_output.requests if entry.samplers)
+        self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)
+        return logits[:num_sampling]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, scheduler_output: SchedulerOutput,
                logits_mask: torch.Tensor | None = None) -> ModelRunnerOutput:
         """Chooses the token of every sampling target of the step from `logits` (as returned by `execute`).
         `logits_mask` ([targets, vocab] bool, True = allowed), when given, removes tokens before sampling (the
-        hook for grammar bitmasks); removed tokens are -inf in both "raw" and "processed" logprobs."""
+        hook for grammar bitmasks); removed tokens are -inf in both "raw" and "processed" logprobs (never in
+        prompt logprobs). The output carries the prompt logprobs of the latest `execute`."""
+        prompt, self._prompt_logprobs = self._prompt_logprobs, {}
         targets = scheduler_output.sampling_targets
         if len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
             logits = logits[torch.tensor(scheduler_output.sampling_rows, device=logits.device)]
@@ -92,12 +106,14 @@ class ModelRunner:
             sampled_token_ids=sampled.token_ids.tolist(),
             logprobs=sampled.logprobs.tolist() if sampled.logprobs is not None else None,
             top_logprobs=top,
+            prompt_logprobs=prompt,
         )
 
     def prepare(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
-        """Builds input ids, positions, the indices of the sampling tokens and the attention metadata with tensor
+        """Builds input ids, positions, the indices of the logits rows to compute (the sampling tokens in batch
+        order, then the rows of the prompt logprobs tasks in batch order) and the attention metadata with tensor
         ops over the whole batch: the only per-request Python work is reading its tokens and block tables."""
         block_size = self.cache.block_size
         scheduled = scheduler_output.requests
@@ -119,6 +135,9 @@ class ModelRunner:
         slot_mapping = block_tables[:, request_of_token, positions // block_size] * block_size + positions % block_size
         samples = torch.tensor([bool(entry.samplers) for entry in scheduled], dtype=torch.bool)
         logits_indices = (offsets + counts - 1)[samples]
+        prompt_rows = _prompt_rows(scheduled, offsets)
+        if prompt_rows:
+            logits_indices = torch.cat([logits_indices, *prompt_rows])
         single = counts == 1
         groups = [
             _attention_group(members.nonzero().squeeze(1), counts, starts, offsets, block_tables, block_size,
@@ -131,6 +150,51 @@ class ModelRunner:
         ])
         return (torch.tensor(token_ids, device=self.device), positions.to(self.device),
                 logits_indices.to(self.device), metadata)
+
+
+def _prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> list[torch.Tensor]:
+    """For each request with a prompt logprobs task, in batch order, the packed indices of the tokens whose
+    logits score its task's `token_ids` (prompt token i is scored at position i - 1)."""
+    rows = []
+    for index, entry in enumerate(scheduled):
+        task = entry.prompt_logprobs
+        if task is not None and task.token_ids:
+            first = int(offsets[index]) + max(task.first, 1) - 1 - entry.num_computed_tokens
+            rows.append(torch.arange(first, first + len(task.token_ids)))
+    return rows
+
+
+def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, list[PromptLogprob]]:
+    """The entries of every prompt logprobs task of `scheduled` from `rows`, their logits rows in batch order
+    (see `_prompt_rows`): log_softmax in float32 of at most LOG_SOFTMAX_ROWS rows at a time (so the float32
+    block stays small whatever the chunk), the scored token's logprob and the top `num_top` gathered on the
+    device, then one transfer to the CPU."""
+    tasks = [(entry.request_id, entry.prompt_logprobs) for entry in scheduled if entry.prompt_logprobs is not None]
+    if not tasks:
+        return {}
+    targets = torch.tensor([token for _, task in tasks for token in task.token_ids], dtype=torch.long,
+                           device=rows.device)
+    num_top = max(task.num_top for _, task in tasks)
+    chosen = torch.empty(len(targets), dtype=torch.float32, device=rows.device)
+    top_values = torch.empty(len(targets), num_top, dtype=torch.float32, device=rows.device)
+    top_ids = torch.empty(len(targets), num_top, dtype=torch.long, device=rows.device)
+    for start in range(0, len(targets), LOG_SOFTMAX_ROWS):
+        end = min(start + LOG_SOFTMAX_ROWS, len(targets))
+        block = rows[start:end].log_softmax(-1, dtype=torch.float32)
+        chosen[start:end] = block.gather(1, targets[start:end].unsqueeze(1)).squeeze(1)
+        if num_top:
+            top_values[start:end], top_ids[start:end] = block.topk(num_top, dim=-1)
+    chosen_list, values_list, ids_list = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    entries: dict[str, list[PromptLogprob]] = {}
+    row = 0
+    for request_id, task in tasks:
+        k = task.num_top
+        entries[request_id] = [
+            PromptLogprob(chosen_list[i], tuple(zip(ids_list[i][:k], values_list[i][:k], strict=True)))
+            for i in range(row, row + len(task.token_ids))
+        ]
+        row += len(task.token_ids)
+    return entries
 
 
 def _attention_group(

@@ -15,6 +15,20 @@ from contbatch.engine.request import RequestStatus
 TopLogprobs = tuple[tuple[int, float], ...]
 
 
+class PromptLogprob(NamedTuple):
+    """One prompt token's entry of `prompt_logprobs` (the first prompt token has no entry: None).
+
+    Attributes:
+        logprob: the log-probability of the prompt token given the tokens before it: log_softmax of the model's
+            raw logits at the previous position (no temperature, top-k or top-p), in float32.
+        top_logprobs: the request's `prompt_logprobs` most likely tokens at that position as (token id,
+            log-probability), most likely first; empty for `prompt_logprobs=0`.
+    """
+
+    logprob: float
+    top_logprobs: TopLogprobs = ()
+
+
 class EventType(enum.Enum):
     """Moments of a request's life inside the engine."""
 
@@ -48,6 +62,9 @@ class RequestDelta(NamedTuple):
         num_cached_tokens: prompt tokens that came from the prefix cache (or from the request it was forked from).
         events: what happened to the request since its previous delta, in order.
         weights_version: the engine's weights version when the delta was made.
+        new_prompt_logprobs: the prompt logprobs entries computed since the previous delta, in prompt order (the
+            first delta's first entry is None, for prompt token 0), when the request asked for prompt logprobs;
+            else None. Requests forked from one whose prompt is not computed yet (n samples) get its entries.
     """
 
     request_id: str
@@ -61,6 +78,7 @@ class RequestDelta(NamedTuple):
     num_cached_tokens: int = 0
     events: tuple[RequestEvent, ...] = ()
     weights_version: int = 0
+    new_prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -78,15 +96,15 @@ class ModelRunnerOutput:
             None when no row asked.
         top_logprobs: for each, the k most likely (token id, logprob) pairs, k the largest `top_logprobs`
             asked in the step; None when no row asked.
-        prompt_logprobs: per request id, the logprobs of the prompt tokens computed this step (room for
-            prompt logprobs; empty until they are implemented).
+        prompt_logprobs: per request id whose chunk has a `PromptLogprobsTask`, the entries of the task's
+            `token_ids`, in order (the None of prompt token 0 is the scheduler's to add).
     """
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
-    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,9 @@ class Request:
     `leader` is set on a request forked from another whose prompt is not computed yet (n samples of one
     prompt): it waits for the leader's prompt, samples its first token from the same logits, then shares the
     leader's blocks (see `Scheduler.fork`).
+
+    `num_prompt_logprobs` counts the prompt logprobs entries already reported (the None of token 0 included):
+    a request recomputing its prompt after preemption reports only the entries it has not reported yet.
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class Request:
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     leader: Request | None = None
+    num_prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -84,6 +88,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the request asks for prompt logprobs and some are still to be computed (and reported)."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
 
     @functools.cached_property
     def sampling_target(self) -> SamplingTarget:

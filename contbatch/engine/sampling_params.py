@@ -9,7 +9,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 _OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_ids", "seed", "logprobs",
-                "top_logprobs", "logprobs_mode")
+                "top_logprobs", "logprobs_mode", "prompt_logprobs")
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -35,6 +35,13 @@ class SamplingParams:
             was drawn from (logits / temperature, then top-k and top-p, removed tokens at -inf), what RL importance
             ratios need. A greedy request (do_sample=False) ignores temperature, top-k and top-p, so its processed
             logprobs are its raw ones.
+        prompt_logprobs: None (the default) computes no prompt logprobs. An int k in 0..MAX_TOP_LOGPROBS reports,
+            for every prompt token after the first, its log-probability given the tokens before it (log_softmax
+            of the raw logits at the previous position: no temperature, top-k or top-p, whatever
+            `logprobs_mode` says) and, when k > 0, the k most likely tokens there (vLLM's `prompt_logprobs`).
+            Such a request takes nothing from the prefix cache while its prompt logprobs are incomplete (a
+            cached prefix has no logits), so every entry is computed; the blocks it computes are still cached
+            for others.
     """
 
     do_sample: bool = False
@@ -47,6 +54,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logprobs_mode: str = "raw"
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -64,6 +72,11 @@ class SamplingParams:
         _check_int("top_logprobs", self.top_logprobs, minimum=0)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            if self.prompt_logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be None or at most {MAX_TOP_LOGPROBS}, got "
+                                 f"{self.prompt_logprobs}")
         if not isinstance(self.logprobs_mode, str) or self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
 
@@ -78,8 +91,9 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(cls, config: GenerationConfig | None, **overrides: Any) -> SamplingParams:
-        """Reads do_sample, temperature, top_k, top_p, max_new_tokens, eos_token_id and (when set, as an extra
-        attribute: `GenerationConfig(logprobs_mode="processed")`) logprobs_mode from `config`, then applies
+        """Reads do_sample, temperature, top_k, top_p, max_new_tokens, eos_token_id and (when set, as extra
+        attributes: `GenerationConfig(logprobs_mode="processed", prompt_logprobs=0)`) logprobs_mode and
+        prompt_logprobs from `config`, then applies
         the non-None `overrides` (keys among SamplingParams' fields; `eos_token_id` is accepted for
         `eos_token_ids` and may be one id or a list). Raises ValueError naming an unknown key or a bad value."""
         base = cls()
@@ -93,6 +107,7 @@ class SamplingParams:
                 max_new_tokens=base.max_new_tokens if config.max_new_tokens is None else config.max_new_tokens,
                 eos_token_ids=_as_ids(config.eos_token_id),
                 logprobs_mode=_config_mode(config, base.logprobs_mode),
+                prompt_logprobs=getattr(config, "prompt_logprobs", None),
             )
         if "eos_token_id" in overrides:
             overrides["eos_token_ids"] = overrides.pop("eos_token_id")

@@ -10,9 +10,16 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
+from contbatch.engine.batch import PromptLogprobsTask, ScheduledRequest, SchedulerOutput
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.outputs import EventType, ModelRunnerOutput, RequestDelta, RequestEvent, TopLogprobs
+from contbatch.engine.outputs import (
+    EventType,
+    ModelRunnerOutput,
+    PromptLogprob,
+    RequestDelta,
+    RequestEvent,
+    TopLogprobs,
+)
 from contbatch.engine.request import Request, RequestStatus
 
 
@@ -34,6 +41,11 @@ class Scheduler:
 
     Outputs: `update_from_output` and the finishing methods return `RequestDelta`s: new tokens, status and the
     events (queued, scheduled, preempted, finished) each request went through since its previous delta.
+
+    Prompt logprobs: each chunk of a request that still needs them carries a `PromptLogprobsTask` for the prompt
+    tokens it scores and has not reported yet (`Request.num_prompt_logprobs`), so a prompt recomputed after
+    preemption reports nothing twice. Such a request takes no cached prefix (`KVCacheManager.cached_prefix`).
+    Followers (n samples) receive their leader's entries as they are computed.
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_batch_tokens: int, policy: str = "fifo") -> None:
@@ -46,6 +58,7 @@ class Scheduler:
         self.weights_version = 0
         self._followers: dict[str, list[Request]] = {}
         self._events: dict[str, list[RequestEvent]] = {}
+        self._new_prompt_logprobs: dict[str, list[PromptLogprob | None]] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -63,9 +76,14 @@ class Scheduler:
         token from the same logits row (n samples of a prompt: one prefill). After, `child` shares `parent`'s
         blocks at once (copy-on-write) and computes only `parent`'s last sampled token itself; a `parent` that
         holds no blocks (preempted) just has its sequence copied.
+
+        Prompt logprobs: a child forked before `parent`'s first token must ask for the same `prompt_logprobs`
+        (it receives `parent`'s entries), and a child asking for them must be forked before `parent` computed
+        any of its prompt; else raises ValueError, adding nothing.
         """
         while parent.leader is not None:
             parent = parent.leader
+        _check_fork_prompt_logprobs(parent, child)
         self._register(child)
         if parent.num_generated_tokens == 0:
             child.leader = parent
@@ -115,6 +133,7 @@ class Scheduler:
         output.requests.append(ScheduledRequest(
             request.request_id, request.token_ids[start:start + num_tokens], start,
             self.kv_manager.block_tables(request.request_id), samplers,
+            _prompt_logprobs_task(request, start + num_tokens),
         ))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -202,6 +221,8 @@ class Scheduler:
         for scheduled in output.requests:
             request = self.requests[scheduled.request_id]
             request.num_computed_tokens += len(scheduled.token_ids)
+            if scheduled.prompt_logprobs is not None:
+                self._record_prompt_logprobs(request, scheduled.prompt_logprobs, result)
             self.kv_manager.cache_computed_blocks(request)
             self.kv_manager.free_unreachable(request)
             for target in scheduled.samplers:
@@ -215,6 +236,14 @@ class Scheduler:
         deltas += self._event_deltas(now)
         self._drop_finished()
         return deltas
+
+    def _record_prompt_logprobs(self, request: Request, task: PromptLogprobsTask, result: ModelRunnerOutput) -> None:
+        """Queues the entries of `task` for the next delta of `request` and of its followers."""
+        entries: list[PromptLogprob | None] = [None] if task.first == 0 else []
+        entries += result.prompt_logprobs.get(request.request_id, ())
+        for receiver in (request, *self._followers.get(request.request_id, ())):
+            receiver.num_prompt_logprobs += len(entries)
+            self._new_prompt_logprobs.setdefault(receiver.request_id, []).extend(entries)
 
     def _fork_follower(self, leader: Request, follower: Request) -> None:
         """Starts `follower` from `leader`'s just computed prompt."""
@@ -233,6 +262,7 @@ class Scheduler:
         tokens: tuple[int, ...] = ()
         logprobs: tuple[float, ...] | None = () if params.wants_logprobs else None
         top: tuple[TopLogprobs, ...] | None = () if params.top_logprobs else None
+        prompt = self._new_prompt_logprobs.pop(request.request_id, [])
         if result is not None:
             tokens = (result.sampled_token_ids[row],)
             if logprobs is not None and result.logprobs is not None:
@@ -242,11 +272,14 @@ class Scheduler:
         return RequestDelta(
             request.request_id, request.status, now, tokens, logprobs, top, request.finish_reason, request.error,
             request.num_cached_tokens, tuple(self._events.pop(request.request_id, ())), self.weights_version,
+            tuple(prompt) if params.prompt_logprobs is not None else None,
         )
 
     def _event_deltas(self, now: float) -> list[RequestDelta]:
-        """Deltas of the requests with events but no new token (admitted, preempted, forked or finished)."""
-        return [self._delta(self.requests[request_id], now) for request_id in list(self._events)
+        """Deltas of the requests with events or prompt logprobs but no new token (admitted, preempted, forked,
+        finished, or a prompt chunk computed)."""
+        pending = dict.fromkeys([*self._events, *self._new_prompt_logprobs])
+        return [self._delta(self.requests[request_id], now) for request_id in pending
                 if request_id in self.requests]
 
     def finish_requests(self, requests: list[Request], status: RequestStatus, reason: str,
@@ -280,6 +313,7 @@ class Scheduler:
         for request in finished:
             del self.requests[request.request_id]
             self._events.pop(request.request_id, None)
+            self._new_prompt_logprobs.pop(request.request_id, None)
             self.kv_manager.free(request.request_id)
             self._promote_follower(request.request_id)
         self.running = [request for request in self.running if not request.is_finished]
@@ -297,3 +331,29 @@ class Scheduler:
             if rest:
                 self._followers[new_leader.request_id] = rest
             self.waiting.appendleft(new_leader)
+
+
+def _prompt_logprobs_task(request: Request, end: int) -> PromptLogprobsTask | None:
+    """The prompt logprobs a chunk of `request` computing its tokens up to `end` (exclusive) produces: the
+    entries it has not reported yet, up to that of prompt token `end` (scored by the chunk's last row) or the
+    prompt's end. None when it reports none."""
+    if not request.needs_prompt_logprobs:
+        return None
+    first = request.num_prompt_logprobs
+    last = min(end + 1, request.num_prompt_tokens)
+    if last <= first:
+        return None
+    return PromptLogprobsTask(first, request.prompt_ids[max(first, 1):last], request.params.prompt_logprobs or 0)
+
+
+def _check_fork_prompt_logprobs(parent: Request, child: Request) -> None:
+    """Prompt logprobs of forks: a follower (forked before its parent's first token) shares its parent's prefill
+    and its entries, so it asks for the same `prompt_logprobs`; a child asking for them must be forked before
+    its parent computed any of its prompt."""
+    asked = child.params.prompt_logprobs
+    if parent.num_generated_tokens == 0 and parent.params.prompt_logprobs != asked:
+        raise ValueError(f"request {child.request_id!r}: prompt_logprobs={asked} differs from its parent "
+                         f"{parent.request_id!r}'s ({parent.params.prompt_logprobs}), whose prefill it shares")
+    if asked is not None and (parent.num_prompt_logprobs or parent.num_generated_tokens):
+        raise ValueError(f"request {child.request_id!r}: prompt_logprobs={asked} needs a fork made before its "
+                         f"parent {parent.request_id!r} computed any of its prompt")

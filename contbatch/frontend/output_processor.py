@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from contbatch.engine.outputs import RequestDelta
+from contbatch.engine.outputs import PromptLogprob, RequestDelta
 from contbatch.engine.request import RequestStatus
 from contbatch.frontend.detokenizer import IncrementalDetokenizer
 from contbatch.outputs import GenerationOutput
@@ -42,7 +42,8 @@ class RequestState:
 
     `streaming` requests get an output after every delta that brings tokens (or text); the others get only
     their final output. With a `detokenizer`, outputs carry text, and a stop string ends the request (reason
-    "stop") with the text cut before it.
+    "stop") with the text cut before it. Prompt logprobs entries accumulate as their deltas come (a prompt
+    computed in chunks sends them chunk by chunk); every output carries those received so far.
     """
 
     request_id: str
@@ -54,6 +55,7 @@ class RequestState:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     timestamps: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
@@ -73,6 +75,9 @@ class RequestState:
         if delta.new_top_logprobs is not None:
             self.top_logprobs = self.top_logprobs if self.top_logprobs is not None else []
             self.top_logprobs.extend(list(top) for top in delta.new_top_logprobs)
+        if delta.new_prompt_logprobs is not None:
+            self.prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else []
+            self.prompt_logprobs.extend(delta.new_prompt_logprobs)
         if self.record_timestamps:
             self.timestamps.extend([delta.timestamp] * len(new))
         self.status, self.finish_reason, self.error = delta.status, delta.finish_reason, delta.error
@@ -105,6 +110,7 @@ class RequestState:
             generated_tokens=list(self.generated),
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
