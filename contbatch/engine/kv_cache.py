@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +85,23 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_host_heap() -> None:
+    """Gives the C heap's free pages back to the OS (glibc's `malloc_trim`; nothing elsewhere). The engine
+    thread allocates from a glibc arena of its own, which keeps the memory its steps freed: without a trim, a
+    trainer's process holds that memory (about 1 GiB in a GRPO step of the 135M model) through the training step."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def num_blocks_for_memory(spec: KVCacheSpec, groups: list[KVCacheGroup], block_size: int, memory_bytes: int,
                           percent: float) -> int:
     """How many blocks fit in `percent` of `memory_bytes`."""
@@ -149,15 +169,17 @@ class PagedKVCache:
 
     def release(self) -> None:
         """Drops the storage and every view of it, so its memory goes back: to the OS on CPU (a large tensor is
-        its own mapping), to the driver on CUDA (the caching allocator's unused blocks are emptied). Every block's
-        content is lost: the caller must make sure no block is held and nothing cached is reused (the engine
-        empties the prefix cache first). Idempotent; `allocate()` makes a new storage."""
+        its own mapping), to the driver on CUDA (the caching allocator's unused blocks are emptied); the host heap
+        is trimmed too (`trim_host_heap`). Every block's content is lost: the caller must make sure no block is
+        held and nothing cached is reused (the engine empties the prefix cache first). Idempotent; `allocate()`
+        makes a new storage."""
         if not self.is_allocated:
             return
         self._storage = torch.empty(0, dtype=self.spec.dtype, device=self.device)
         self.keys, self.values = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        trim_host_heap()
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping`."""
