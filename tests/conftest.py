@@ -95,6 +95,15 @@ def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:
     return LLMEngine(model, generation_config, ContinuousBatchingConfig(**config))  # type: ignore[arg-type]
 
 
+def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:
+    """What the manager does for `n=`: sample j is `<id>_j`, forked from sample 0."""
+    requests = [engine.make_request(prompt, f"{request_id}_{j}", **sampling) for j in range(n)]
+    engine.add(requests[0])
+    for request in requests[1:]:
+        engine.fork(requests[0].request_id, request)
+    return [request.request_id for request in requests]
+
+
 def run_threads(target: Callable[[int], None], count: int, timeout: float = 120) -> None:
     """Runs `target(0)` ... `target(count - 1)` on `count` threads at once and waits for them all."""
     threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]

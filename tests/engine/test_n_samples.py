@@ -6,12 +6,11 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
 from contbatch.engine.block_pool import BlockPool
-from contbatch.engine.engine import LLMEngine
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import add_samples, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
@@ -40,15 +39,6 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write() -> None:
     manager.free("p_0")
     manager.free("p_1")
     assert manager.pool.is_whole and manager.pool.num_cached_blocks == 1
-
-
-def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:
-    """What the manager does for `n=`: sample j is `<id>_j`, forked from sample 0."""
-    requests = [engine.make_request(prompt, f"{request_id}_{j}", **sampling) for j in range(n)]
-    engine.add(requests[0])
-    for request in requests[1:]:
-        engine.fork(requests[0].request_id, request)
-    return [request.request_id for request in requests]
 
 
 def test_n_samples_compute_the_prompt_once_and_match_generate() -> None:

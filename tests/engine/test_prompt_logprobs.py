@@ -11,11 +11,18 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, generate_batch
-from contbatch.engine.engine import LLMEngine
 from contbatch.engine.outputs import EventType, RequestDelta
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput, PromptLogprob
-from tests.conftest import TINY_CONFIGS, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import (
+    TINY_CONFIGS,
+    add_samples,
+    make_engine,
+    random_prompts,
+    reference_generate,
+    run_engine,
+    tiny_model,
+)
 
 ATOL = 1e-5
 Entries = Sequence[PromptLogprob | None] | None
@@ -152,15 +159,6 @@ def test_preemption_in_the_middle_of_the_prompt_reports_every_entry_once() -> No
     check_entries(outputs["late"].prompt_logprobs, reference_logprobs(reference, late), late, 2)
     assert outputs["early"].generated_tokens == reference_generate(model, early, 18)
     assert outputs["late"].generated_tokens == reference_generate(model, late, 2)
-
-
-def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:
-    """What the manager does for `n=`: sample j is `<id>_j`, forked from sample 0."""
-    requests = [engine.make_request(prompt, f"{request_id}_{j}", **sampling) for j in range(n)]
-    engine.add(requests[0])
-    for request in requests[1:]:
-        engine.fork(requests[0].request_id, request)
-    return [request.request_id for request in requests]
 
 
 @pytest.mark.parametrize("cancel_leader", [False, True])
