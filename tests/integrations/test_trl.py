@@ -17,7 +17,7 @@ from trl import GRPOConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.data.embedded import embedded_model_dir
-from contbatch.integrations.trl import ContbatchGRPOTrainer
+from contbatch.integrations.trl import ContbatchGRPOTrainer, benchmark
 from contbatch.integrations.trl.gsm8k import numeric_answer_reward
 
 PROMPTS = ["What is 2 + 3?", "Name a colour.", "Count to three.", "Say hello."]
@@ -184,3 +184,25 @@ def test_a_failed_completion_raises_naming_it_and_leaves_the_engine_clean(
         assert not engine.requests and engine.block_pool.is_whole
     finally:
         trainer.close_contbatch()
+
+
+@pytest.mark.parametrize("kind", ["contbatch", "generate"])
+def test_the_grpo_benchmark_times_steps_and_generation(tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
+                                                       kind: str) -> None:
+    """`contbatch bench --workload grpo-trl`'s in-process runner, on a tiny model saved with the embedded tokenizer."""
+    model_dir = tmp_path / "tiny"
+    tiny_policy(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    settings = benchmark.GRPOSettings(str(model_dir), num_prompts=1, num_generations=2, max_completion_length=4,
+                                      steps=2)
+    result = benchmark.run_trainer(kind, settings)
+    assert len(result.step_s) == len(result.generation_s) == 2
+    assert all(0 < generation < step for generation, step in zip(result.generation_s, result.step_s, strict=True))
+    assert 0 < result.completion_tokens <= 2 * 2 * 4 and result.peak_rss_mib > 0
+    table = benchmark.format_table([result], settings)
+    assert benchmark.KINDS[kind] in table and f"{result.mean_step_s:.1f}" in table
+
+
+def test_the_grpo_benchmark_refuses_an_unknown_trainer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'vllm'"):
+        benchmark.compare(["vllm"], benchmark.GRPOSettings(str(tmp_path)))

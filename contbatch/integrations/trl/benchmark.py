@@ -18,6 +18,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from contbatch.integrations.trl.gsm8k import gsm8k_dataset, numeric_answer_reward
+from contbatch.integrations.trl.trainer import ContbatchGRPOTrainer
+
 KINDS = {
     "contbatch": "ContbatchGRPOTrainer",
     "transformers-cb": "GRPOTrainer, use_transformers_continuous_batching=True",
@@ -62,13 +69,6 @@ class GRPOStepResult:
 
 def run_trainer(kind: str, settings: GRPOSettings) -> GRPOStepResult:
     """Trains `settings.steps` GRPO steps with trainer `kind` in this process and times them."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from contbatch.integrations.trl.gsm8k import gsm8k_dataset, numeric_answer_reward
-    from contbatch.integrations.trl.trainer import ContbatchGRPOTrainer
-
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(settings.model_dir, padding_side="left")
@@ -85,10 +85,7 @@ def run_trainer(kind: str, settings: GRPOSettings) -> GRPOStepResult:
                                 train_dataset=gsm8k_dataset(settings.num_prompts * settings.steps),
                                 processing_class=tokenizer)
         timer = _StepTimer(trainer)
-        trainer.add_callback(type("StepTimer", (TrainerCallback,), {
-            "on_step_begin": lambda self, *a, **k: timer.begin(),
-            "on_step_end": lambda self, *a, **k: timer.end(),
-        })())
+        trainer.add_callback(timer)
         trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     return GRPOStepResult(kind, timer.step_s, timer.generation_s, timer.completion_tokens,
@@ -96,7 +93,7 @@ def run_trainer(kind: str, settings: GRPOSettings) -> GRPOStepResult:
                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-class _StepTimer:
+class _StepTimer(TrainerCallback):
     """Times each optimizer step and, by wrapping the trainer's generation hook, the generation inside it."""
 
     def __init__(self, trainer: Any) -> None:
@@ -116,10 +113,10 @@ class _StepTimer:
 
         trainer._generate_single_turn = timed
 
-    def begin(self) -> None:
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
         self._start, self._generation = time.perf_counter(), 0.0
 
-    def end(self) -> None:
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
         self.step_s.append(time.perf_counter() - self._start)
         self.generation_s.append(self._generation)
 
