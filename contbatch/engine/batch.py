@@ -24,14 +24,16 @@ class PromptLogprobsTask(NamedTuple):
     """The prompt logprobs one scheduled chunk produces: the entries of prompt tokens `first`, `first + 1`, ...
 
     Attributes:
-        first: the prompt index of the chunk's first entry; 0 means the entry of token 0 (None: nothing
-            precedes it, no logits) comes first.
-        token_ids: the prompt tokens whose logprobs the chunk computes, those at prompt indices `max(first, 1)`
-            onwards; token i is scored by the logits at position i - 1, which the chunk computes.
+        first: the prompt index of the chunk's first entry.
+        first_scored: the prompt index of `token_ids[0]`; the entries from `first` up to it are None (token 0,
+            which nothing precedes, and the tokens before the request's `prompt_logprobs_start`).
+        token_ids: the prompt tokens whose logprobs the chunk computes, from prompt index `first_scored` on;
+            token i is scored by the logits at position i - 1, which the chunk computes.
         num_top: how many most likely tokens to report with each (the request's `prompt_logprobs`).
     """
 
     first: int
+    first_scored: int
     token_ids: Sequence[int]
     num_top: int
 

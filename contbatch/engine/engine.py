@@ -184,23 +184,34 @@ class LLMEngine:
                 raise ValueError(
                     f"request {request_id!r}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        total = len(input_ids) + params.max_new_tokens
-        if self.max_position_embeddings is not None and total > self.max_position_embeddings:
+        if params.prompt_logprobs_start >= len(input_ids):
+            raise ValueError(f"request {request_id!r}: prompt_logprobs_start={params.prompt_logprobs_start} is not "
+                             f"a position of the prompt ({len(input_ids)} tokens)")
+        self._check_fits(request_id, len(input_ids), params.max_new_tokens)
+        return list(input_ids)
+
+    def _check_fits(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raises ValueError when the request cannot run: more positions than the model has, or more blocks
+        than the cache can ever give one request. The last token sampled is never computed; a score-only
+        request (max_new_tokens=0) computes its prompt but the last token, so a prompt one token longer than
+        the model's positions can still be scored (as lm-eval's rolling windows are)."""
+        total = num_prompt_tokens + max_new_tokens
+        written = max(total - 1, 1)
+        positions = total if max_new_tokens else written
+        if self.max_position_embeddings is not None and positions > self.max_position_embeddings:
             raise ValueError(
-                f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) = {total} exceeds the model's {self.max_position_embeddings} positions"
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"needs {positions} positions: this exceeds the model's {self.max_position_embeddings} positions"
             )
         kv = self.kv_manager
-        # the last token is sampled, never written to the cache
-        if not kv.can_ever_hold(total - 1, self.scheduler.max_batch_tokens):
-            needed = sum(kv.blocks_needed_alone(total - 1, self.scheduler.max_batch_tokens))
+        if not kv.can_ever_hold(written, self.scheduler.max_batch_tokens):
+            needed = sum(kv.blocks_needed_alone(written, self.scheduler.max_batch_tokens))
             capacity = min(kv.max_blocks_per_request, self.block_pool.num_blocks)
             raise ValueError(
-                f"request {request_id!r}: prompt ({len(input_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) needs {needed} blocks of {self.config.block_size} tokens, more than "
-                f"the cache can ever hold for one request ({capacity})"
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"needs {needed} blocks of {self.config.block_size} tokens, more than the cache can ever hold for "
+                f"one request ({capacity})"
             )
-        return list(input_ids)
 
     def cancel_request(self, request_id: str) -> RequestDelta | None:
         """Cancels a queued or running request and frees its blocks; returns its final delta. Unknown or

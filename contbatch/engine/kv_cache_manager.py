@@ -150,14 +150,13 @@ class KVCacheManager:
     # --- prefix caching ----------------------------------------------------------------------------------------
 
     def cached_prefix(self, request: Request) -> PrefixHit | None:
-        """The longest cached prefix of `request`'s tokens, leaving at least its last token to be computed (its
-        logits are needed), or None. Every group must have the blocks of the prefix its policy says the first
-        query after it can see (all of them for full attention, those in the window for a sliding group).
-        None for a request that still needs prompt logprobs: a cached prefix has no logits, so it computes its
-        whole prompt (and the blocks it fills are still cached for others)."""
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        """The longest cached prefix of `request`'s tokens, at most `request.max_cached_tokens` long (at least
+        one token is left to compute, and no position whose logits score a prompt logprob still to report comes
+        from the cache), or None. Every group must have the blocks of the prefix its policy says the first
+        query after it can see (all of them for full attention, those in the window for a sliding group)."""
+        if not self.enable_caching:
             return None
-        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        hashes = self._hashes(request, request.max_cached_tokens // self.block_size)
         found = [self._lookup(hashes, group) for group in range(len(self.policies))]
         missing = [list(itertools.accumulate((block is None for block in blocks), initial=0)) for blocks in found]
         for length in range(len(hashes), 0, -1):
@@ -174,10 +173,9 @@ class KVCacheManager:
 
     def is_being_computed(self, request: Request, num_cached_blocks: int) -> bool:
         """True when the first block `request` would compute is being computed right now by another running
-        request: waiting a step or two then shares it instead of computing it twice. Never for a request that
-        needs prompt logprobs (it shares nothing)."""
-        if (not self.enable_caching or request.needs_prompt_logprobs
-                or num_cached_blocks >= (request.num_tokens - 1) // self.block_size):
+        request: waiting a step or two then shares it instead of computing it twice. Never for a block the
+        request may not take from the cache (see `cached_prefix`)."""
+        if not self.enable_caching or num_cached_blocks >= request.max_cached_tokens // self.block_size:
             return False
         owner = self._pending.get(self._hashes(request, num_cached_blocks + 1)[num_cached_blocks])
         return owner is not None and owner != request.request_id
@@ -196,7 +194,7 @@ class KVCacheManager:
         self._num_registered[request.request_id] = num_blocks
         if self.enable_caching:
             owned = self._owned.setdefault(request.request_id, [])
-            for block_hash in self._hashes(request, request.num_tokens // self.block_size)[num_blocks:]:
+            for block_hash in self._hashes(request, request.num_tokens_to_compute // self.block_size)[num_blocks:]:
                 if self._pending.setdefault(block_hash, request.request_id) == request.request_id:
                     owned.append(block_hash)
 

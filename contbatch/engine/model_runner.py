@@ -159,7 +159,7 @@ def _prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> li
     for index, entry in enumerate(scheduled):
         task = entry.prompt_logprobs
         if task is not None and task.token_ids:
-            first = int(offsets[index]) + max(task.first, 1) - 1 - entry.num_computed_tokens
+            first = int(offsets[index]) + task.first_scored - 1 - entry.num_computed_tokens
             rows.append(torch.arange(first, first + len(task.token_ids)))
     return rows
 

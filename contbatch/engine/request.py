@@ -47,8 +47,9 @@ class Request:
     prompt): it waits for the leader's prompt, samples its first token from the same logits, then shares the
     leader's blocks (see `Scheduler.fork`).
 
-    `num_prompt_logprobs` counts the prompt logprobs entries already reported (the None of token 0 included):
-    a request recomputing its prompt after preemption reports only the entries it has not reported yet.
+    `num_prompt_logprobs` counts the prompt logprobs entries already reported (the None of token 0 and of the
+    tokens before `params.prompt_logprobs_start` included): a request recomputing its prompt after preemption
+    reports only the entries it has not reported yet.
     """
 
     request_id: str
@@ -93,6 +94,36 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Whether the request asks for prompt logprobs and some are still to be computed (and reported)."""
         return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
+
+    @property
+    def first_scored_prompt_token(self) -> int:
+        """The prompt index of the next prompt token whose logprob is computed (its logits are those of the
+        position before it): the first not reported yet, at least `params.prompt_logprobs_start` and 1."""
+        return max(self.num_prompt_logprobs, self.params.prompt_logprobs_start, 1)
+
+    @property
+    def is_score_only(self) -> bool:
+        """A request with `max_new_tokens=0`: it computes its prompt (and prompt logprobs) and finishes."""
+        return self.params.max_new_tokens == 0
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """How many tokens the cache holds when the request samples its next token (all of them), or, for a
+        score-only request, when it finishes: every prompt token but the last, whose logits nothing needs (at
+        least one token)."""
+        if self.is_score_only:
+            return max(self.num_tokens - 1, 1)
+        return self.num_tokens
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most leading tokens the prefix cache may supply: at least one token is left to compute, and no
+        position whose logits score a prompt logprob still to report comes from the cache (a cached prefix has
+        no logits)."""
+        limit = self.num_tokens_to_compute - 1
+        if self.needs_prompt_logprobs:
+            limit = min(limit, self.first_scored_prompt_token - 1)
+        return limit
 
     @functools.cached_property
     def sampling_target(self) -> SamplingTarget:

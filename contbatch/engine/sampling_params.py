@@ -9,7 +9,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 _OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_ids", "seed", "logprobs",
-                "top_logprobs", "logprobs_mode", "prompt_logprobs")
+                "top_logprobs", "logprobs_mode", "prompt_logprobs", "prompt_logprobs_start")
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -23,7 +23,9 @@ class SamplingParams:
         temperature: logits are divided by it before sampling; > 0.
         top_k: keep only the k most likely tokens; 0 keeps all.
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p; 1.0 keeps all.
-        max_new_tokens: the request finishes with reason "length" after this many generated tokens; >= 1.
+        max_new_tokens: the request finishes with reason "length" after this many generated tokens; >= 0.
+            0 scores the prompt without generating: the request computes its prompt (all of it but the last
+            token, whose logits nothing needs), reports its prompt logprobs if it asks, and finishes.
         eos_token_ids: generating any of these finishes the request with reason "stop" (the token is kept).
         seed: when set, the request samples from its own generator seeded with it, so its tokens do not
             depend on the rest of the batch.
@@ -39,9 +41,14 @@ class SamplingParams:
             for every prompt token after the first, its log-probability given the tokens before it (log_softmax
             of the raw logits at the previous position: no temperature, top-k or top-p, whatever
             `logprobs_mode` says) and, when k > 0, the k most likely tokens there (vLLM's `prompt_logprobs`).
-            Such a request takes nothing from the prefix cache while its prompt logprobs are incomplete (a
-            cached prefix has no logits), so every entry is computed; the blocks it computes are still cached
-            for others.
+            A cached prefix has no logits, so such a request takes from the prefix cache only the tokens before
+            the position that scores its first entry still to compute (see `prompt_logprobs_start`); the blocks
+            it computes are cached for others.
+        prompt_logprobs_start: with `prompt_logprobs`, the prompt index of the first token to score: the
+            entries of the tokens before it are None and cost nothing, and the request may take those tokens
+            but the last from the prefix cache (scoring a continuation after a shared context computes the
+            context once). 0 (the default) scores every token after the first; must be less than the prompt's
+            length.
     """
 
     do_sample: bool = False
@@ -55,9 +62,10 @@ class SamplingParams:
     top_logprobs: int = 0
     logprobs_mode: str = "raw"
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
         _check_int("top_k", self.top_k, minimum=0)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
@@ -77,6 +85,9 @@ class SamplingParams:
             if self.prompt_logprobs > MAX_TOP_LOGPROBS:
                 raise ValueError(f"prompt_logprobs must be None or at most {MAX_TOP_LOGPROBS}, got "
                                  f"{self.prompt_logprobs}")
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=0)
+        if self.prompt_logprobs_start and self.prompt_logprobs is None:
+            raise ValueError(f"prompt_logprobs_start={self.prompt_logprobs_start} needs prompt_logprobs (None)")
         if not isinstance(self.logprobs_mode, str) or self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
 

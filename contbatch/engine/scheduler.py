@@ -44,8 +44,12 @@ class Scheduler:
 
     Prompt logprobs: each chunk of a request that still needs them carries a `PromptLogprobsTask` for the prompt
     tokens it scores and has not reported yet (`Request.num_prompt_logprobs`), so a prompt recomputed after
-    preemption reports nothing twice. Such a request takes no cached prefix (`KVCacheManager.cached_prefix`).
-    Followers (n samples) receive their leader's entries as they are computed.
+    preemption reports nothing twice. Such a request takes from the prefix cache only the positions before the
+    first one whose logits it needs (`Request.max_cached_tokens`). Followers (n samples) receive their
+    leader's entries as they are computed.
+
+    Score-only requests (`max_new_tokens=0`) compute their prompt but its last token, sample nothing and finish
+    with reason "length" in the step that completes it, with their followers that are score-only too.
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_batch_tokens: int, policy: str = "fifo") -> None:
@@ -127,7 +131,7 @@ class Scheduler:
     def _add_to_batch(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens
         samplers = ()
-        if start + num_tokens == request.num_tokens:
+        if start + num_tokens == request.num_tokens and not request.is_score_only:
             followers = self._followers.get(request.request_id, ())
             samplers = (request.sampling_target, *(follower.sampling_target for follower in followers))
         output.requests.append(ScheduledRequest(
@@ -144,7 +148,7 @@ class Scheduler:
                 break
             if request.status == RequestStatus.PENDING or request.request_id in scheduled:
                 continue
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
             if not self._make_room(request, request.num_computed_tokens + num_tokens, output, scheduled):
                 continue
             output.block_copies += self.kv_manager.allocate_slots(request, request.num_computed_tokens + num_tokens)
@@ -192,7 +196,7 @@ class Scheduler:
             if kv.is_being_computed(request, num_cached // kv.block_size):
                 deferred.append(request)
                 continue
-            num_tokens = min(request.num_tokens - num_cached, budget)
+            num_tokens = min(request.num_tokens_to_compute - num_cached, budget)
             if not kv.can_allocate(request, num_cached + num_tokens, hit):
                 self.waiting.appendleft(request)
                 break
@@ -217,12 +221,15 @@ class Scheduler:
         their blocks. Returns a delta for every request that produced a token or went through an event."""
         now = time.time()
         produced: list[tuple[Request, int]] = []
+        scored: list[Request] = []
         row = 0
         for scheduled in output.requests:
             request = self.requests[scheduled.request_id]
             request.num_computed_tokens += len(scheduled.token_ids)
             if scheduled.prompt_logprobs is not None:
                 self._record_prompt_logprobs(request, scheduled.prompt_logprobs, result)
+            if request.is_score_only and request.num_computed_tokens == request.num_tokens_to_compute:
+                scored += self._finish_scored(request)
             self.kv_manager.cache_computed_blocks(request)
             self.kv_manager.free_unreachable(request)
             for target in scheduled.samplers:
@@ -233,17 +240,27 @@ class Scheduler:
                 produced.append((sampler, row))
                 row += 1
         deltas = [self._delta(request, now, result, index) for request, index in produced]
+        deltas += [self._delta(request, now) for request in scored]
         deltas += self._event_deltas(now)
         self._drop_finished()
         return deltas
 
     def _record_prompt_logprobs(self, request: Request, task: PromptLogprobsTask, result: ModelRunnerOutput) -> None:
         """Queues the entries of `task` for the next delta of `request` and of its followers."""
-        entries: list[PromptLogprob | None] = [None] if task.first == 0 else []
+        entries: list[PromptLogprob | None] = [None] * (task.first_scored - task.first)
         entries += result.prompt_logprobs.get(request.request_id, ())
         for receiver in (request, *self._followers.get(request.request_id, ())):
             receiver.num_prompt_logprobs += len(entries)
             self._new_prompt_logprobs.setdefault(receiver.request_id, []).extend(entries)
+
+    def _finish_scored(self, request: Request) -> list[Request]:
+        """Finishes a score-only request whose prompt is computed, and its followers that are score-only too
+        (they received its prompt logprobs); returns them. Other followers wait for a leader of their own."""
+        ended = [request, *(follower for follower in self._followers.get(request.request_id, ())
+                            if follower.is_score_only)]
+        for ending in ended:
+            ending.finish(RequestStatus.FINISHED, "length")
+        return ended
 
     def _fork_follower(self, leader: Request, follower: Request) -> None:
         """Starts `follower` from `leader`'s just computed prompt."""
@@ -343,7 +360,9 @@ def _prompt_logprobs_task(request: Request, end: int) -> PromptLogprobsTask | No
     last = min(end + 1, request.num_prompt_tokens)
     if last <= first:
         return None
-    return PromptLogprobsTask(first, request.prompt_ids[max(first, 1):last], request.params.prompt_logprobs or 0)
+    first_scored = min(request.first_scored_prompt_token, last)
+    return PromptLogprobsTask(first, first_scored, request.prompt_ids[first_scored:last],
+                              request.params.prompt_logprobs or 0)
 
 
 def _check_fork_prompt_logprobs(parent: Request, child: Request) -> None:
