@@ -13,6 +13,7 @@ from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.async_client import AsyncClient, ChoiceOutput
 from contbatch.frontend.client import EngineClient
 from contbatch.manager import ContinuousBatchingManager
+from contbatch.scoring import loglikelihood
 from contbatch.outputs import GenerationOutput, RequestStatus
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "continuous_batching_context_manager",
     "generate_batch",
     "init_continuous_batching",
+    "loglikelihood",
 ]
