@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
-from contbatch.entrypoints.openai import chat, completions, models
+from contbatch.entrypoints.openai import chat, completions, models, tokenization
 from contbatch.entrypoints.openai.metrics import ServerMetrics
 from contbatch.entrypoints.openai.protocol import APIError
 from contbatch.entrypoints.openai.serving import ServerState
@@ -33,7 +33,7 @@ def create_app(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, model_n
     app.middleware("http")(_guard)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    for module in (models, completions, chat):
+    for module in (models, completions, chat, tokenization):
         app.include_router(module.router)
     return app
 

@@ -24,7 +24,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [message.model_dump() for message in body.messages]
     prompt_ids = as_token_ids(state.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     max_tokens = body.max_completion_tokens or body.max_tokens or _default_tokens(state, len(prompt_ids))
-    call = GenerationRequest(f"chatcmpl-{next(_ids)}", prompt_ids, max_tokens, body.logprobs,
+    call = GenerationRequest(f"chatcmpl-{next(_ids)}", [prompt_ids], max_tokens, body.logprobs,
                              body.top_logprobs or 0, chat=True)
     return await respond(state, request, body, call)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from contbatch.outputs import GenerationOutput
+from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR
+from contbatch.outputs import GenerationOutput, PromptLogprob
 
 
 @dataclass(frozen=True)
@@ -22,15 +24,27 @@ class ChoiceDelta:
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None = None
     num_generated: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @classmethod
     def of(cls, index: int, output: GenerationOutput, finish_reason: str | None) -> ChoiceDelta:
-        """The delta of choice `index` carried by `output` (its new tokens, their logprobs and its new text)."""
+        """The delta of choice `index` carried by `output` (its new tokens, their logprobs and its new text), with
+        the output's prompt and prompt logprobs (for echo)."""
         new = len(output.new_tokens)
         logprobs = output.logprobs[len(output.logprobs) - new:] if output.logprobs else []
         tops = output.top_logprobs[len(output.top_logprobs) - new:] if output.top_logprobs else []
         return cls(index, output.new_text, output.new_tokens, logprobs, tops, finish_reason,
-                   len(output.generated_tokens))
+                   len(output.generated_tokens), output.prompt_ids, output.prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` prepends: choice i starts with the text `texts[i // n]` of its prompt (and, when logprobs are
+    asked for, with its prompt tokens' entries)."""
+
+    texts: list[str]
+    n: int
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -39,12 +53,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class Formatter:
-    """Builds OpenAI's objects for completions (chat=False) or chat completions."""
+    """Builds OpenAI's objects for completions (chat=False) or chat completions.
+
+    Completions' logprobs are OpenAI's legacy object: per token its string (`tokens`, each id decoded alone),
+    `token_logprobs`, `top_logprobs` (a dict token string -> logprob of the top entries plus the chosen token,
+    so up to k + 1 keys, as OpenAI documents; ids decoding to the same string keep the highest logprob, so the
+    dict's maximum is always the position's maximum) and `text_offset` (the running length of the token
+    strings, from where the token's part of the text starts). With `echo`, a choice first holds its prompt: its
+    text, and per prompt token an entry whose logprob and top dict are None for the first token (nothing
+    precedes it). -inf logprobs are reported as LOGPROB_FLOOR.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_name: str, request_id: str, chat: bool,
-                 logprobs: bool) -> None:
+                 logprobs: bool, echo: Echo | None = None) -> None:
         self.tokenizer, self.model_name, self.request_id = tokenizer, model_name, request_id
-        self.chat, self.logprobs = chat, logprobs
+        self.chat, self.logprobs, self.echo = chat, logprobs, echo
         self.created = int(time.time())
 
     def header(self, chunk: bool) -> dict[str, Any]:
@@ -55,6 +78,20 @@ class Formatter:
         logprobs = ({"content": []} if self.chat else
                     {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
         return {"index": index, "text": "", "logprobs": logprobs if self.logprobs else None, "finish_reason": None}
+
+    def first_choice(self, delta: ChoiceDelta) -> dict[str, Any]:
+        """The choice of `delta.index` before its first delta is added: empty, or holding its prompt with echo."""
+        choice = self.empty_choice(delta.index)
+        if self.echo is None:
+            return choice
+        choice["text"] = self.echo.texts[delta.index // self.echo.n]
+        if self.logprobs:
+            entries = delta.prompt_logprobs or [None] * len(delta.prompt_ids)
+            offset = 0
+            for token_id, entry in zip(delta.prompt_ids, entries, strict=True):
+                logprob, top = (None, None) if entry is None else entry
+                offset = self._add_entry(choice["logprobs"], token_id, logprob, top, offset)
+        return choice
 
     def extend(self, choice: dict[str, Any], delta: ChoiceDelta) -> None:
         if self.logprobs:
@@ -74,7 +111,12 @@ class Formatter:
         return {**self.header(chunk=True),
                 "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
+    def delta_chunk(self, delta: ChoiceDelta, first: bool = False) -> dict[str, Any]:
+        """The chunk of `delta`; the `first` delta of a choice also carries its echoed prompt."""
+        if first and self.echo is not None and not self.chat:
+            choice = self.first_choice(delta)
+            self.extend(choice, delta)
+            return self.chunk(delta.index, choice["text"], choice["logprobs"], delta.finish_reason)
         logprobs = None
         if self.logprobs:
             logprobs = self.empty_choice(delta.index)["logprobs"]
@@ -86,15 +128,28 @@ class Formatter:
         decode = self.tokenizer.decode
         tops = delta.top_logprobs or [[] for _ in delta.token_ids]
         for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=False):
-            token = decode([token_id])
             if self.chat:
+                token = decode([token_id])
                 target["content"].append({
                     "token": token, "logprob": logprob, "bytes": list(token.encode()),
                     "top_logprobs": [{"token": decode([i]), "logprob": lp, "bytes": list(decode([i]).encode())}
                                      for i, lp in top]})
             else:
-                target["tokens"].append(token)
-                target["token_logprobs"].append(logprob)
-                target["top_logprobs"].append({decode([i]): lp for i, lp in top})
-                target["text_offset"].append(offset)
-                offset += len(token)
+                offset = self._add_entry(target, token_id, logprob, top, offset)
+
+    def _add_entry(self, target: dict[str, Any], token_id: int, logprob: float | None,
+                   top: Iterable[tuple[int, float]] | None, offset: int) -> int:
+        """Appends one token's legacy entry (no logprob: None, None) to `target`; returns the next offset."""
+        token = self.tokenizer.decode([token_id])
+        target["tokens"].append(token)
+        target["text_offset"].append(offset)
+        if logprob is None or top is None:
+            target["token_logprobs"].append(None)
+            target["top_logprobs"].append(None)
+            return offset + len(token)
+        tops: dict[str, float] = {}
+        for key, value in [*((self.tokenizer.decode([i]), lp) for i, lp in top), (token, logprob)]:
+            tops[key] = max(tops.get(key, value), value, LOGPROB_FLOOR)
+        target["token_logprobs"].append(max(logprob, LOGPROB_FLOOR))
+        target["top_logprobs"].append(tops)
+        return offset + len(token)

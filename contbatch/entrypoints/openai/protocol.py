@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from contbatch.engine.sampling_params import MAX_TOP_LOGPROBS
 
@@ -45,8 +45,16 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """A /v1/completions body. `prompt` takes OpenAI's four forms: a string, a list of strings, a list of token
+    ids, or a list of lists of token ids; several prompts give their choices in prompt order (choice
+    `prompt_index * n + sample_index`). `max_tokens=0` generates nothing (with `echo`: scoring only).
+    `echo` starts each choice's text, and with `logprobs` its logprobs, with the prompt. `logprobs` above
+    MAX_TOP_LOGPROBS is answered 400 naming it (checked by the route, not here, so it is not a 422)."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -61,6 +69,26 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class TokenizeRequest(BaseModel):
+    """A /tokenize body (vLLM's): the prompt's ids, with the tokenizer's special tokens unless
+    `add_special_tokens` is false."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """A /detokenize body (vLLM's): the ids to decode, special tokens kept."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class APIError(Exception):

@@ -14,10 +14,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from contbatch.entrypoints.openai.formatting import ChoiceDelta, Formatter, usage
+from contbatch.entrypoints.openai.formatting import ChoiceDelta, Echo, Formatter, usage
 from contbatch.entrypoints.openai.metrics import ServerMetrics
 from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR, APIError, SamplingFields
-from contbatch.frontend.async_client import AsyncClient, GenerationStream
+from contbatch.frontend.async_client import AsyncClient, ChoiceOutput, GenerationStream
 from contbatch.frontend.client import EngineClient
 from contbatch.outputs import RequestStatus
 
@@ -49,56 +49,153 @@ def check_model(state: ServerState, model: str) -> None:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One API call's generation, in engine terms."""
+    """One API call's generation, in engine terms: each prompt of `prompts` runs `n` samples, choice
+    `prompt_index * n + sample_index`. `echo` prepends each prompt to its choices: its text (`prompt_texts[i]`
+    when the prompts came as text, else its ids decoded with special tokens) and, with `logprobs`, its tokens'
+    entries, from the engine's prompt logprobs (`prompt_logprobs=top_logprobs`)."""
 
     request_id: str
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     max_tokens: int
     logprobs: bool
     top_logprobs: int
     chat: bool
+    echo: bool = False
+    prompt_texts: list[str] | None = None
+
+    def prompt_request_id(self, index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
+
+
+class Choices:
+    """The choices of one call's prompts (n per prompt) as one async iterator of `ChoiceOutput`s indexed
+    `prompt_index * n + sample_index`, interleaved as they come, ending after every choice's final output.
+    `cancel()` (or leaving an `async with` block) cancels every choice still running."""
+
+    def __init__(self, streams: list[GenerationStream], n: int) -> None:
+        self.streams, self.n = streams, n
+        self._queue: asyncio.Queue[ChoiceOutput | None] = asyncio.Queue()
+        self._pumps: list[asyncio.Future[None]] = []
+        self._open = len(streams)
+
+    def __len__(self) -> int:
+        return len(self.streams) * self.n
+
+    def __aiter__(self) -> Choices:
+        if not self._pumps:
+            self._pumps = [asyncio.ensure_future(self._pump(p, stream)) for p, stream in enumerate(self.streams)]
+        return self
+
+    async def __anext__(self) -> ChoiceOutput:
+        while self._open:
+            choice = await self._queue.get()
+            if choice is not None:
+                return choice
+            self._open -= 1
+        raise StopAsyncIteration
+
+    async def _pump(self, prompt_index: int, stream: GenerationStream) -> None:
+        try:
+            async for choice in stream:
+                self._queue.put_nowait(ChoiceOutput(prompt_index * self.n + choice.index, choice.output))
+        finally:
+            self._queue.put_nowait(None)
+
+    def cancel(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+        for stream in self.streams:
+            stream.cancel()
+
+    async def __aenter__(self) -> Choices:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()
 
 
 async def respond(state: ServerState, http: Request, body: SamplingFields, call: GenerationRequest) -> Response:
     """Runs `call` and answers it (SSE when `body.stream`). A client that disconnects has its choices cancelled."""
-    stream = _submit(state, body, call)
-    formatter = Formatter(state.tokenizer, state.model_name, call.request_id, call.chat, call.logprobs)
+    choices = _submit(state, body, call)
+    echo = None
+    if call.echo:
+        echo = Echo(call.prompt_texts or [state.tokenizer.decode(prompt) for prompt in call.prompts], body.n)
+    formatter = Formatter(state.tokenizer, state.model_name, call.request_id, call.chat, call.logprobs, echo)
+    prompt_tokens = sum(len(prompt) for prompt in call.prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_events(stream, formatter, len(call.prompt_ids), include_usage, state.metrics),
+        return StreamingResponse(_events(choices, formatter, prompt_tokens, include_usage, state.metrics),
                                  media_type="text/event-stream")
-    collecting = asyncio.ensure_future(_collect(stream, formatter, len(call.prompt_ids), state.metrics))
+    collecting = asyncio.ensure_future(_collect(choices, formatter, prompt_tokens, state.metrics))
     while not collecting.done():
         await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
         if not collecting.done() and await http.is_disconnected():
             collecting.cancel()
-            stream.cancel()
+            choices.cancel()
             return Response(status_code=499)
     return JSONResponse(collecting.result())
 
 
-def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -> GenerationStream:
+def _sampling(body: SamplingFields, call: GenerationRequest) -> dict[str, Any]:
     temperature = 1.0 if body.temperature is None else body.temperature
-    sampling: dict[str, Any] = {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
-                                "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-                                "logprobs": call.logprobs, "top_logprobs": call.top_logprobs,
-                                "logprobs_mode": body.logprobs_mode}
+    prompt_logprobs = call.top_logprobs if call.echo and call.logprobs else None
+    return {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
+            "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "logprobs": call.logprobs,
+            "top_logprobs": call.top_logprobs, "logprobs_mode": body.logprobs_mode,
+            "prompt_logprobs": prompt_logprobs}
+
+
+def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -> Choices:
+    """Checks every prompt, then submits them all (or none: a failure cancels those already submitted)."""
+    sampling = _sampling(body, call)
+    _validate(state, call, sampling)
+    streams: list[GenerationStream] = []
     try:
-        stream = state.async_client.submit(call.prompt_ids, request_id=call.request_id, n=body.n,
-                                     max_new_tokens=call.max_tokens, streaming=body.stream,
-                                     stop=body.stop_strings(), detokenize=True, record_timestamps=True, **sampling)
+        for index, prompt in enumerate(call.prompts):
+            streams.append(state.async_client.submit(
+                prompt, request_id=call.prompt_request_id(index), n=body.n, max_new_tokens=call.max_tokens,
+                streaming=body.stream, stop=body.stop_strings(), detokenize=True, record_timestamps=True,
+                **sampling))
     except ValueError as error:
-        raise APIError(400, str(error), code="invalid_request") from None
+        _cancel(streams)
+        raise APIError(400, _named(call, len(streams), error), code="invalid_request", param="prompt") from None
+    except RuntimeError as error:
+        _cancel(streams)
+        raise APIError(503, str(error), code="engine_unavailable", kind="server_error") from None
+    state.metrics.prompt_tokens.inc(sum(len(prompt) for prompt in call.prompts))
+    return Choices(streams, body.n)
+
+
+def _validate(state: ServerState, call: GenerationRequest, sampling: dict[str, Any]) -> None:
+    """Checks every prompt as the engine will (`make_request`, which queues nothing) before any is submitted, so
+    a bad prompt of a list is answered 400 naming its index and no prompt of the list runs."""
+    try:
+        engine = state.client.engine
     except RuntimeError as error:
         raise APIError(503, str(error), code="engine_unavailable", kind="server_error") from None
-    state.metrics.prompt_tokens.inc(len(call.prompt_ids))
-    return stream
+    for index, prompt in enumerate(call.prompts):
+        try:
+            engine.make_request(prompt, call.prompt_request_id(index), call.max_tokens, **sampling)
+        except ValueError as error:
+            raise APIError(400, _named(call, index, error), code="invalid_request", param="prompt") from None
 
 
-async def _deltas(stream: GenerationStream, metrics: ServerMetrics) -> AsyncIterator[ChoiceDelta]:
-    """The stream's outputs as OpenAI choice deltas; a failed choice raises APIError(500)."""
-    async with stream:
-        async for choice in stream:
+def _named(call: GenerationRequest, index: int, error: ValueError) -> str:
+    """The engine's message for prompt `index`, named `prompt[index]` when the call has several prompts."""
+    message = str(error).removeprefix(f"request {call.prompt_request_id(index)!r}: ")
+    return message if len(call.prompts) == 1 else f"prompt[{index}]: {message}"
+
+
+def _cancel(streams: list[GenerationStream]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+async def _deltas(choices: Choices, metrics: ServerMetrics) -> AsyncIterator[ChoiceDelta]:
+    """The choices' outputs as OpenAI choice deltas; a failed choice raises APIError(500) (and cancels the
+    others)."""
+    async with choices:
+        async for choice in choices:
             output = choice.output
             if output.status == RequestStatus.FAILED:
                 raise APIError(500, f"generation failed: {output.error}", code="engine_error", kind="server_error")
@@ -120,30 +217,34 @@ def _finite(delta: ChoiceDelta) -> ChoiceDelta:
         top_logprobs=[[(i, max(lp, LOGPROB_FLOOR)) for i, lp in top] for top in delta.top_logprobs])
 
 
-async def _collect(stream: GenerationStream, formatter: Formatter, prompt_tokens: int,
+async def _collect(stream: Choices, formatter: Formatter, prompt_tokens: int,
                    metrics: ServerMetrics) -> dict[str, Any]:
     choices: dict[int, dict[str, Any]] = {}
     generated = 0
     async for delta in _deltas(stream, metrics):
-        choice = choices.setdefault(delta.index, formatter.empty_choice(delta.index))
-        formatter.extend(choice, delta)
+        if delta.index not in choices:
+            choices[delta.index] = formatter.first_choice(delta)
+        formatter.extend(choices[delta.index], delta)
         if delta.finish_reason is not None:
             generated += delta.num_generated
     return formatter.response([choices[i] for i in sorted(choices)], prompt_tokens, generated)
 
 
-async def _events(stream: GenerationStream, formatter: Formatter, prompt_tokens: int, include_usage: bool,
+async def _events(stream: Choices, formatter: Formatter, prompt_tokens: int, include_usage: bool,
                   metrics: ServerMetrics) -> AsyncIterator[str]:
     generated = 0
+    started: set[int] = set()
     if formatter.chat:
-        for index in range(len(stream.ids)):
+        for index in range(len(stream)):
             yield _event(formatter.chunk(index, {"role": "assistant", "content": ""}, None, None))
     try:
         async for delta in _deltas(stream, metrics):
+            first = delta.index not in started
+            started.add(delta.index)
             if delta.finish_reason is not None:
                 generated += delta.num_generated
-            if delta.text or delta.finish_reason is not None:
-                yield _event(formatter.delta_chunk(delta))
+            if delta.text or delta.finish_reason is not None or (first and formatter.echo is not None):
+                yield _event(formatter.delta_chunk(delta, first))
     except APIError as error:
         yield _event(error.body())
     if include_usage:
