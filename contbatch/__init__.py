@@ -13,8 +13,8 @@ from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.async_client import AsyncClient, ChoiceOutput
 from contbatch.frontend.client import EngineClient
 from contbatch.manager import ContinuousBatchingManager
-from contbatch.scoring import loglikelihood
 from contbatch.outputs import GenerationOutput, RequestStatus
+from contbatch.scoring import loglikelihood
 
 __all__ = [
     "AsyncClient",

@@ -43,7 +43,8 @@ def generate_batch(
     0..20; None, the default, is off) fills every output's `prompt_logprobs`: the log-probability of each prompt
     token after the first given the tokens before it, plus the k most likely tokens there (for scoring
     continuations, as lm-eval's loglikelihood does: see `contbatch.loglikelihood`, and
-    `GenerationOutput.prompt_logprobs`); such prompts are computed in full, never taken from the prefix cache. Runs on a `ContinuousBatchingManager`; with
+    `GenerationOutput.prompt_logprobs`); such prompts are computed in full, never taken from the prefix cache.
+    Runs on a `ContinuousBatchingManager`; with
     `persistent_manager=True` the manager (and its cache) stays attached to the model as `model._contbatch_manager`
     and is reused by the next call with the same configuration; its `sleep()` gives the cache's memory back until
     that call (e.g. while an RL trainer trains). Either way the model gets its own attention implementation back before
