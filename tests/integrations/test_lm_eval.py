@@ -262,3 +262,30 @@ def test_truncation_and_generation_settings_follow_hf() -> None:
     settings = generation_settings({"temperature": 0.5, "top_p": 0.9}, "</s>", 256)
     assert settings.sampling == {"do_sample": True, "temperature": 0.5, "top_p": 0.9}
     assert settings.max_new_tokens == 256
+
+
+def test_local_completions_against_contbatch_serve_equals_hf(model_dir: Path,
+                                                             mc_runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """The third way: lm-eval's own `local-completions` client (token-id requests, the server's tokenizer through
+    /tokenize, 4 concurrent connections) against a contbatch server on the same embedded model. Same metrics as
+    `hf` and every choice's loglikelihood within 1e-4; the server's cache is whole afterwards."""
+    from contbatch.data.embedded import load_model_and_tokenizer
+    from contbatch.entrypoints.openai.app import create_app
+    from tests.entrypoints.openai.test_server import LiveServer
+
+    _, reference = mc_runs
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    manager = ContinuousBatchingManager(model, continuous_batching_config=contbatch.ContinuousBatchingConfig(
+        block_size=16, num_blocks=512))
+    manager.start()
+    live = LiveServer(create_app(manager, tokenizer, "smollm2"))
+    try:
+        args = {"model": "smollm2", "base_url": f"{live.url}/v1/completions", "num_concurrent": 4,
+                "tokenized_requests": True, "max_retries": 1, "timeout": 120}
+        ours = evaluate("local-completions", args, MC_TASK, limit=12)
+        assert manager.stats.num_running == 0 and manager.engine.block_pool.is_whole
+    finally:
+        live.stop()
+        manager.stop()
+    assert metrics(ours, MC_TASK) == metrics(reference, MC_TASK)
+    assert_same_loglikelihoods(ours, reference, MC_TASK)
