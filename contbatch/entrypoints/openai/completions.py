@@ -26,13 +26,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     with nothing computed, so no other prompt's work is lost; the caller resends the list without it."""
     state = server_state(request)
     check_model(state, body.model)
-    if body.logprobs is not None and body.logprobs > MAX_TOP_LOGPROBS:
-        raise APIError(400, f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {body.logprobs}",
-                       code="invalid_request", param="logprobs")
+    for name, value in (("logprobs", body.logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+        if value is not None and value > MAX_TOP_LOGPROBS:
+            raise APIError(400, f"{name} must be at most {MAX_TOP_LOGPROBS}, got {value}", code="invalid_request",
+                           param=name)
     prompts, texts = _prompts(state, body.prompt)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     call = GenerationRequest(f"cmpl-{next(_ids)}", prompts, max_tokens, logprobs=body.logprobs is not None,
-                             top_logprobs=body.logprobs or 0, chat=False, echo=body.echo, prompt_texts=texts)
+                             top_logprobs=body.logprobs or 0, chat=False, echo=body.echo, prompt_texts=texts,
+                             prompt_logprobs=body.prompt_logprobs)
     return await respond(state, request, body, call)
 
 

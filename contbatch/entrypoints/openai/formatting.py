@@ -61,13 +61,16 @@ class Formatter:
     dict's maximum is always the position's maximum) and `text_offset` (the running length of the token
     strings, from where the token's part of the text starts). With `echo`, a choice first holds its prompt: its
     text, and per prompt token an entry whose logprob and top dict are None for the first token (nothing
-    precedes it). -inf logprobs are reported as LOGPROB_FLOOR.
+    precedes it). -inf logprobs are reported as LOGPROB_FLOOR. With `prompt_logprobs` (vLLM's field), a
+    completions choice also holds `prompt_logprobs` (see `CompletionRequest`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_name: str, request_id: str, chat: bool,
-                 logprobs: bool, echo: Echo | None = None) -> None:
+                 logprobs: bool, echo: Echo | None = None, top_logprobs: int = 0,
+                 prompt_logprobs: int | None = None) -> None:
         self.tokenizer, self.model_name, self.request_id = tokenizer, model_name, request_id
         self.chat, self.logprobs, self.echo = chat, logprobs, echo
+        self.top_logprobs, self.prompt_logprobs = top_logprobs, prompt_logprobs
         self.created = int(time.time())
 
     def header(self, chunk: bool) -> dict[str, Any]:
@@ -80,8 +83,11 @@ class Formatter:
         return {"index": index, "text": "", "logprobs": logprobs if self.logprobs else None, "finish_reason": None}
 
     def first_choice(self, delta: ChoiceDelta) -> dict[str, Any]:
-        """The choice of `delta.index` before its first delta is added: empty, or holding its prompt with echo."""
+        """The choice of `delta.index` before its first delta is added: empty, or holding its prompt with echo, and
+        its `prompt_logprobs` when asked."""
         choice = self.empty_choice(delta.index)
+        if self.prompt_logprobs is not None and not self.chat:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(delta)
         if self.echo is None:
             return choice
         choice["text"] = self.echo.texts[delta.index // self.echo.n]
@@ -89,9 +95,25 @@ class Formatter:
             entries = delta.prompt_logprobs or [None] * len(delta.prompt_ids)
             offset = 0
             for token_id, entry in zip(delta.prompt_ids, entries, strict=True):
-                logprob, top = (None, None) if entry is None else entry
+                logprob, top = (None, None) if entry is None else (entry.logprob,
+                                                                    entry.top_logprobs[:self.top_logprobs])
                 offset = self._add_entry(choice["logprobs"], token_id, logprob, top, offset)
         return choice
+
+    def _vllm_prompt_logprobs(self, delta: ChoiceDelta) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs` of a choice: per prompt token None or {token id: logprob, rank, text}."""
+        entries = delta.prompt_logprobs or [None] * len(delta.prompt_ids)
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for token_id, entry in zip(delta.prompt_ids, entries, strict=True):
+            if entry is None:
+                result.append(None)
+                continue
+            top = entry.top_logprobs[:self.prompt_logprobs]
+            ranks = {i: rank for rank, (i, _) in enumerate(top, 1)}
+            values = {token_id: entry.logprob, **dict(top)}
+            result.append({str(i): {"logprob": max(lp, LOGPROB_FLOOR), "rank": ranks.get(i),
+                                    "decoded_token": self.tokenizer.decode([i])} for i, lp in values.items()})
+        return result
 
     def extend(self, choice: dict[str, Any], delta: ChoiceDelta) -> None:
         if self.logprobs:
@@ -111,12 +133,21 @@ class Formatter:
         return {**self.header(chunk=True),
                 "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
+    @property
+    def has_prompt_part(self) -> bool:
+        """Whether a completions choice starts with something of its prompt (echo or `prompt_logprobs`), which its
+        first streamed chunk carries."""
+        return not self.chat and (self.echo is not None or self.prompt_logprobs is not None)
+
     def delta_chunk(self, delta: ChoiceDelta, first: bool = False) -> dict[str, Any]:
-        """The chunk of `delta`; the `first` delta of a choice also carries its echoed prompt."""
-        if first and self.echo is not None and not self.chat:
+        """The chunk of `delta`; the `first` delta of a choice also carries its prompt part (`has_prompt_part`)."""
+        if first and self.has_prompt_part:
             choice = self.first_choice(delta)
             self.extend(choice, delta)
-            return self.chunk(delta.index, choice["text"], choice["logprobs"], delta.finish_reason)
+            chunk = self.chunk(delta.index, choice["text"], choice["logprobs"], delta.finish_reason)
+            if "prompt_logprobs" in choice:
+                chunk["choices"][0]["prompt_logprobs"] = choice["prompt_logprobs"]
+            return chunk
         logprobs = None
         if self.logprobs:
             logprobs = self.empty_choice(delta.index)["logprobs"]

@@ -49,12 +49,16 @@ class CompletionRequest(SamplingFields):
     ids, or a list of lists of token ids; several prompts give their choices in prompt order (choice
     `prompt_index * n + sample_index`). `max_tokens=0` generates nothing (with `echo`: scoring only).
     `echo` starts each choice's text, and with `logprobs` its logprobs, with the prompt. `logprobs` above
-    MAX_TOP_LOGPROBS is answered 400 naming it (checked by the route, not here, so it is not a 422)."""
+    MAX_TOP_LOGPROBS is answered 400 naming it (checked by the route, not here, so it is not a 422).
+    `prompt_logprobs=k` is vLLM's extra field: each choice gets `prompt_logprobs`, per prompt token None (the
+    first) or `{token id: {"logprob", "rank", "decoded_token"}}` for the token and the k most likely there
+    (`rank`: its place among those, None when it is not one of them); above MAX_TOP_LOGPROBS is a 400."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0)
 
 
 class ChatMessage(BaseModel):

@@ -62,6 +62,14 @@ class GenerationRequest:
     chat: bool
     echo: bool = False
     prompt_texts: list[str] | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's `prompt_logprobs`: enough top entries for the echoed logprobs and for vLLM's field."""
+        asked = [k for k in (self.top_logprobs if self.echo and self.logprobs else None, self.prompt_logprobs)
+                 if k is not None]
+        return max(asked) if asked else None
 
     def prompt_request_id(self, index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
@@ -120,7 +128,8 @@ async def respond(state: ServerState, http: Request, body: SamplingFields, call:
     echo = None
     if call.echo:
         echo = Echo(call.prompt_texts or [state.tokenizer.decode(prompt) for prompt in call.prompts], body.n)
-    formatter = Formatter(state.tokenizer, state.model_name, call.request_id, call.chat, call.logprobs, echo)
+    formatter = Formatter(state.tokenizer, state.model_name, call.request_id, call.chat, call.logprobs, echo,
+                          call.top_logprobs, call.prompt_logprobs)
     prompt_tokens = sum(len(prompt) for prompt in call.prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -138,11 +147,10 @@ async def respond(state: ServerState, http: Request, body: SamplingFields, call:
 
 def _sampling(body: SamplingFields, call: GenerationRequest) -> dict[str, Any]:
     temperature = 1.0 if body.temperature is None else body.temperature
-    prompt_logprobs = call.top_logprobs if call.echo and call.logprobs else None
     return {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
             "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "logprobs": call.logprobs,
             "top_logprobs": call.top_logprobs, "logprobs_mode": body.logprobs_mode,
-            "prompt_logprobs": prompt_logprobs}
+            "prompt_logprobs": call.engine_prompt_logprobs}
 
 
 def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -> Choices:
@@ -243,7 +251,7 @@ async def _events(stream: Choices, formatter: Formatter, prompt_tokens: int, inc
             started.add(delta.index)
             if delta.finish_reason is not None:
                 generated += delta.num_generated
-            if delta.text or delta.finish_reason is not None or (first and formatter.echo is not None):
+            if delta.text or delta.finish_reason is not None or (first and formatter.has_prompt_part):
                 yield _event(formatter.delta_chunk(delta, first))
     except APIError as error:
         yield _event(error.body())

@@ -4,6 +4,7 @@ score-only requests (max_tokens=0), the 400s of bad prompts in a list, and lm-ev
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections.abc import Iterator
@@ -181,6 +182,7 @@ def test_concurrent_clients_with_tokenized_prompts(served: Served) -> None:
     ("body", "named"),
     [
         ({"prompt": [[5, 6]], "logprobs": 21, "echo": True}, ["logprobs", "20", "21"]),
+        ({"prompt": [[5, 6]], "prompt_logprobs": 21, "max_tokens": 0}, ["prompt_logprobs", "20", "21"]),
         ({"prompt": [[5, 6], list(range(100, 700))], "echo": True, "max_tokens": 0},
          ["prompt[1]", "600 tokens", "512 positions"]),
         ({"prompt": [[5, 6], [7] * 500], "echo": True, "max_tokens": 16}, ["prompt[1]", "512 positions"]),
@@ -190,8 +192,8 @@ def test_concurrent_clients_with_tokenized_prompts(served: Served) -> None:
                                                                                   "vocabulary"]),
         ({"prompt": [-1, 5]}, ["-1", "vocabulary"]),
     ],
-    ids=["logprobs-above-20", "echo-longer-than-positions", "prompt-and-tokens-too-long", "empty-in-list",
-         "empty-string-in-list", "out-of-vocabulary-in-list", "negative-id"],
+    ids=["logprobs-above-20", "prompt-logprobs-above-20", "echo-longer-than-positions", "prompt-and-tokens-too-long",
+         "empty-in-list", "empty-string-in-list", "out-of-vocabulary-in-list", "negative-id"],
 )
 def test_a_bad_prompt_is_a_400_naming_it_and_nothing_runs(served: Served, body: dict[str, Any], named: list[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,3 +279,38 @@ def test_several_prompts_share_one_failure_free_engine(served: Served) -> None:
     for prompt, choice in zip(prompts, response.choices, strict=True):
         check_echoed_logprobs(served, choice.logprobs, prompt, served.greedy(prompt, 2), 1)
     assert other["r"].choices[0].text == served.text(served.greedy(served.tokenizer("Meanwhile")["input_ids"], 20))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_prompt_logprobs_field_equals_a_plain_forward(served: Served, stream: bool) -> None:
+    """vLLM's extra `prompt_logprobs=k`: per prompt token None (the first) or {id: logprob, rank, decoded_token}
+    for the token and the k most likely, beside echo's legacy logprobs asking a different k; streamed, the
+    first chunk of the choice carries it."""
+    prompt = random_ids([9], seed=21)[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1, "prompt_logprobs": 3,
+            "stream": stream}
+    response = httpx.post(f"{served.live.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        choice = chunks[0]["choices"][0]
+        assert all("prompt_logprobs" not in chunk["choices"][0] for chunk in chunks[1:])
+    else:
+        choice = response.json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    rows = forward_logprobs(served, prompt)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position in range(1, len(prompt)):
+        row, token = rows[position - 1], prompt[position]
+        values, ids = row.topk(3)
+        expected = {i: (v, rank) for rank, (i, v) in enumerate(zip(ids.tolist(), values.tolist(), strict=True), 1)}
+        expected.setdefault(token, (row[token].item(), None))
+        got = entries[position]
+        assert {int(key) for key in got} == set(expected)
+        for key, value in got.items():
+            logprob, rank = expected[int(key)]
+            assert abs(value["logprob"] - logprob) <= ATOL and value["rank"] == rank
+            assert value["decoded_token"] == served.tokenizer.decode([int(key)])
+    assert len(choice["logprobs"]["top_logprobs"][1]) <= 2, "echo's legacy dict keeps its own k=1 (+ the token)"
+    assert served.wait_until_pool_whole()
