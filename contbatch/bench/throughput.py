@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,12 +36,15 @@ class BenchResult:
         wall_s: seconds of wall-clock time for the whole workload (warm-up excluded); > 0.
         generated_tokens: tokens generated, summed over requests, each request's first EOS included.
         prompt_tokens: prompt tokens, summed over requests.
+        outputs: per prompt, in input order, the generated ids (EOS included), for engines that report them
+            (contbatch, vLLM); None otherwise. Used to count agreeing outputs, not shown in the table.
     """
 
     engine: str
     wall_s: float
     generated_tokens: int
     prompt_tokens: int
+    outputs: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.wall_s <= 0:
@@ -100,6 +103,7 @@ def run_contbatch(
         wall_s=wall,
         generated_tokens=sum(len(output.generated_tokens) for output in outputs.values()),
         prompt_tokens=sum(len(ids) for ids in inputs),
+        outputs=[list(outputs[f"req_{i}"].generated_tokens) for i in range(len(inputs))],
     )
 
 

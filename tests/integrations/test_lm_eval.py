@@ -289,3 +289,33 @@ def test_local_completions_against_contbatch_serve_equals_hf(model_dir: Path,
         manager.stop()
     assert metrics(ours, MC_TASK) == metrics(reference, MC_TASK)
     assert_same_loglikelihoods(ours, reference, MC_TASK)
+
+
+def test_eval_benchmark_runs_both_backends_on_both_tasks_and_reports_the_speed_up(tiny_dir: Path) -> None:
+    """`contbatch bench --workload eval`'s runner: each shipped task through contbatch and hf (same documents,
+    same requests, same metric: greedy and exact), and a table with contbatch's speed-up over hf's fastest run."""
+    from contbatch.integrations.lm_eval import benchmark
+
+    settings = benchmark.EvalBenchSettings(str(tiny_dir), limit=2, hf_batch_sizes=(1, 2))
+    runs = benchmark.compare(settings)
+    assert [(run.task, run.backend, run.batch_size) for run in runs] == [
+        (task, backend, size) for task in (MC_TASK, GEN_TASK)
+        for backend, size in (("contbatch", "all at once"), ("hf", "1"), ("hf", "2"))]
+    for task in (MC_TASK, GEN_TASK):
+        task_runs = [run for run in runs if run.task == task]
+        assert len({(run.num_docs, run.num_requests, run.metric) for run in task_runs}) == 1, task_runs
+    assert runs[0].num_requests == 8 and runs[3].num_requests == 2
+    table = benchmark.format_table(runs, settings)
+    ours = runs[0]
+    speed_up = min(run.wall_s for run in runs[1:3]) / ours.wall_s
+    assert f"| {MC_TASK} (acc,none) | contbatch | all at once | 2 | 8 | {ours.wall_s:.1f} | " in table
+    assert f"**{speed_up:.2f}x**" in table
+
+
+def test_contbatch_bench_workload_eval_writes_the_table(tiny_dir: Path, tmp_path: Path) -> None:
+    table = tmp_path / "eval.md"
+    assert main(["bench", "--workload", "eval", "--model", str(tiny_dir), "--num-prompts", "1",
+                 "--output", str(table)]) == 0
+    text = table.read_text()
+    assert f"| {MC_TASK} (acc,none) | contbatch | all at once | 1 | 4 |" in text
+    assert f"| {GEN_TASK} (exact_match,flexible-extract) | hf | 32 | 1 | 1 |" in text

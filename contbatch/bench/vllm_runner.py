@@ -1,0 +1,114 @@
+"""Run one throughput workload through vLLM (CPU build) and write the generated ids back as JSON.
+
+A standalone script for the separate `.venv-peers` environment (`make bench-peers`), run by file path as
+`python vllm_runner.py REQUEST.json RESULT.json`. It imports only the standard library and (inside `main`)
+vllm, never contbatch, which is not installed in that environment; `contbatch.bench.vllm_peer` launches it.
+
+Request (JSON object):
+    model: local Hugging Face checkpoint directory.
+    dtype: "float32", "bfloat16" or "float16".
+    max_new_tokens: tokens to generate at most per prompt (> 0).
+    eos_token_ids: token ids that end a request (greedy decoding stops at the first, which is kept).
+    prompts: token-id prompts (non-empty lists of ints).
+    kv_cache_gib: KV-cache size in GiB (an int > 0; vLLM's `VLLM_CPU_KVCACHE_SPACE`).
+    warmup_prompts, warmup_new_tokens: the untimed warm-up (the first prompts, few tokens).
+    enforce_eager: true to skip vLLM's torch.compile (default false: vLLM-CPU compiles with inductor).
+
+Result (JSON object): outputs (per prompt, in input order, the generated ids, EOS included), generate_s (wall
+seconds of the timed `LLM.generate` call only: model load, compilation and the warm-up are excluded), load_s
+(seconds to construct `vllm.LLM`, compilation included), warmup_s, vllm_version and torch_version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+_REQUIRED = {"model": str, "dtype": str, "max_new_tokens": int, "eos_token_ids": list, "prompts": list,
+             "kv_cache_gib": int}
+_DEFAULTS: dict[str, Any] = {"warmup_prompts": 2, "warmup_new_tokens": 4, "enforce_eager": False}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_request(text: str) -> dict[str, Any]:
+    """Parse and check the request JSON `text`; return it with defaults filled in.
+
+    Raises:
+        ValueError: a field is missing, of the wrong type or out of range.
+    """
+    request = json.loads(text)
+    if not isinstance(request, dict):
+        raise ValueError("the request must be a JSON object")
+    for key, kind in _REQUIRED.items():
+        if not isinstance(request.get(key), kind) or isinstance(request.get(key), bool):
+            raise ValueError(f"request field {key!r} must be a {kind.__name__}, got {request.get(key)!r}")
+    if request["dtype"] not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {request['dtype']!r}")
+    if request["max_new_tokens"] < 1 or request["kv_cache_gib"] < 1:
+        raise ValueError("max_new_tokens and kv_cache_gib must be >= 1")
+    if not all(isinstance(token, int) for token in request["eos_token_ids"]):
+        raise ValueError("eos_token_ids must be a list of ints")
+    prompts = request["prompts"]
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty lists of ints")
+    return {**_DEFAULTS, **request}
+
+
+def sampling_kwargs(request: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for greedy decoding of at most `max_tokens` tokens that stops
+    at (and keeps) the first of the request's EOS ids, as contbatch and transformers do; no detokenization."""
+    return {"n": 1, "temperature": 0.0, "max_tokens": max_tokens, "stop_token_ids": list(request["eos_token_ids"]),
+            "ignore_eos": False, "detokenize": False, "seed": 0}
+
+
+def format_result(outputs: list[list[int]], generate_s: float, load_s: float, warmup_s: float,
+                  versions: dict[str, str]) -> str:
+    """The result JSON text: per-prompt generated ids (input order) and the timings in seconds."""
+    return json.dumps({"outputs": outputs, "generate_s": generate_s, "load_s": load_s, "warmup_s": warmup_s,
+                       **versions})
+
+
+def run(request: dict[str, Any]) -> str:
+    """Load the model in vLLM, warm up, time one `LLM.generate` over all prompts; return the result JSON text."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(request["kv_cache_gib"])
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm = LLM(model=request["model"], tokenizer=request["model"], dtype=request["dtype"], seed=0,
+              enforce_eager=request["enforce_eager"])
+    load_s = time.perf_counter() - start
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+    warmup = SamplingParams(**sampling_kwargs(request, request["warmup_new_tokens"]))
+    start = time.perf_counter()
+    llm.generate(prompts[: request["warmup_prompts"]], warmup, use_tqdm=False)
+    warmup_s = time.perf_counter() - start
+    params = SamplingParams(**sampling_kwargs(request, request["max_new_tokens"]))
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - start
+    outputs = [list(result.outputs[0].token_ids) for result in results]
+    versions = {"vllm_version": vllm.__version__, "torch_version": torch.__version__}
+    return format_result(outputs, generate_s, load_s, warmup_s, versions)
+
+
+def main(argv: list[str]) -> int:
+    """`vllm_runner.py REQUEST.json RESULT.json`: run the request, write the result; return the exit status."""
+    if len(argv) != 2:
+        print("usage: vllm_runner.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as handle:
+        request = parse_request(handle.read())
+    result = run(request)
+    with open(argv[1], "w", encoding="utf-8") as handle:
+        handle.write(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
