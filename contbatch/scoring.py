@@ -13,7 +13,7 @@ from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, PromptLogprob, RequestStatus
 
-SCORING_BLOCK_SIZE = 32
+SCORING_BLOCK_SIZE = 16
 Pair = tuple[Sequence[int], Sequence[int]]
 Key = tuple[tuple[int, ...], tuple[int, ...]]
 
