@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,27 +24,43 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 DecodeKernel = Callable[..., torch.Tensor]
 
 
-@functools.cache
 def paged_decode_kernel() -> DecodeKernel | None:
     """The compiled `paged_decode_attention(query, key_cache, value_cache, slots, lengths, first, scale, softcap)`,
     or None when it is disabled or cannot be built (the reason is logged once)."""
+    module = kernel_module()
+    return None if module is None else module.paged_decode_attention
+
+
+@functools.cache
+def kernel_module() -> Any:
+    """The built extension (`paged_decode_attention`, and `parallel_threads()`: how many threads its
+    `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
         # -march=native: the build is only valid on this kind of CPU, so its flags are part of the name.
-        digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+        openmp = _openmp_flags()
+        digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode() + " ".join(openmp).encode())
         module = load(
-            name=f"contbatch_paged_decode_{digest}",
+            name=f"contbatch_paged_decode_{digest.hexdigest()[:12]}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", *openmp],
+            extra_ldflags=openmp,
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, no headers: the SDPA path still works
         logger.warning("contbatch: CPU decode kernel unavailable (%s); using SDPA", error)
         return None
-    return module.paged_decode_attention
+    return module
+
+
+def _openmp_flags() -> list[str]:
+    """`-fopenmp` where ATen parallelises with OpenMP: `at::parallel_for` is inline there, and without the flag
+    its `#pragma omp parallel` is dropped and the kernel runs on one thread. The extension then binds to the
+    OpenMP runtime torch already loaded (same soname), so there is one thread pool."""
+    return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
 
 
 def _cpu_flags() -> str:
