@@ -28,6 +28,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PretrainedC
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
 
@@ -119,15 +120,21 @@ def paged_attention_forward(
     ([1, tokens, heads, head_dim], None). Without it (a training forward, `generate`, a forward on another thread
     while a step runs), the call goes, arguments untouched, to the implementation the model had when contbatch
     attached (`own_attention`), so the model computes exactly what it computed before attaching."""
-    metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    metadata: PagedAttentionMetadata | str | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
         return _own_attention_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
-    return _paged_attention(module, query, key, value, metadata, kwargs.get("scaling"),
-                            kwargs.get("sliding_window"), kwargs.get("softcap"))
+    scaling, window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
+    if metadata == COMPILED_MARKER:  # inside a compiled forward: one opaque op, the metadata is the step's
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        output = paged_attention_op(query, key, value, module.layer_idx, scale, int(window or 0),
+                                    float(softcap or 0.0))
+        return output, None
+    assert isinstance(metadata, PagedAttentionMetadata)
+    return paged_attention_for_layer(module.layer_idx, query, key, value, metadata, scaling, window, softcap), None
 
 
-def _paged_attention(
-    module: torch.nn.Module,
+def paged_attention_for_layer(
+    layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -135,9 +142,9 @@ def _paged_attention(
     scaling: float | None,
     sliding_window: int | None,
     softcap: float | None,
-) -> tuple[torch.Tensor, None]:
-    """Writes the layer's new K/V into the cache, then attends every group of the batch over its context."""
-    layer = module.layer_idx
+) -> torch.Tensor:
+    """Writes `layer`'s new K/V into the cache, then attends every group of the batch over its context; returns
+    [1, tokens, heads, head_dim]."""
     cache_group = metadata.cache.layer_group[layer]
     kept = metadata.cache.groups[cache_group].sliding_window
     if kept is not None and (sliding_window is None or sliding_window > kept):
@@ -155,7 +162,7 @@ def _paged_attention(
         else:
             rows = group.query_rows.index_select(0, group.real_queries)
             output.index_copy_(0, rows, attended.index_select(0, group.real_queries))
-    return output.unsqueeze(0), None
+    return output.unsqueeze(0)
 
 
 def _attend_group(

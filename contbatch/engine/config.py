@@ -23,9 +23,15 @@ class ContinuousBatchingConfig:
         max_blocks_per_request: caps the blocks one request may hold (0: no cap beyond the cache itself).
         allow_block_sharing: allow requests to share KV blocks (prefix caching); it can only be allowed, never
             forced.
-        use_async_batching, use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, max_cached_graphs,
-        varlen_compile_config, decode_compile_config, use_default_compile_configs: CUDA-only tuning knobs of
-            transformers' implementation. They are accepted and validated; the CPU engine does not use them.
+        varlen_compile_config, decode_compile_config: `torch.compile` settings of the steps that prefill (varlen)
+            and of the steps where every request decodes one token; None runs that path eagerly (unless
+            `use_default_compile_configs`). The model's forward is compiled whole, attention included as the
+            custom op `contbatch::paged_attention` (see `contbatch.engine.compile`).
+        use_default_compile_configs: compile the paths left None with `default_compile_config` (dynamic shapes;
+            on CPU inductor's freezing, which prepacks the weights).
+        use_async_batching, use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, max_cached_graphs:
+            CUDA-graph and double-buffering knobs of transformers' implementation. They are accepted and
+            validated; contbatch does not use them yet (compiled shapes are dynamic, not padded).
         scheduler_type: "fifo" (decodes first, then new prefills, in arrival order) or "prefill_first"
             (waiting prompts are admitted before running decodes take the budget).
         return_logprobs: record the log-probability of every generated token.

@@ -12,6 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch.engine.batch import ScheduledRequest
 from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.compile import compile_paths
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.kv_cache import (
     KVCacheSpec,
@@ -71,7 +72,9 @@ class LLMEngine:
         )
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
-        self.model_runner = ModelRunner(model, self.cache)
+        self.model_runner = ModelRunner(model, self.cache, compile_paths(
+            self.config.varlen_compile_config, self.config.decode_compile_config,
+            self.config.use_default_compile_configs, device))
         self.sampler = self.model_runner.sampler
         self.device = device
         text_config = model.config.get_text_config()
@@ -295,6 +298,8 @@ class LLMEngine:
         self.reset_prefix_cache()
         self.scheduler.weights_version += 1
         self._weights = WeightsFingerprint.of(self.model)
+        if self.model_runner.compiled is not None and self.model_runner.compiled.freezes_weights:
+            self.model_runner.compiled.reset()
 
     def check_integrity(self) -> None:
         """Cache bookkeeping invariants; call when idle to also check that nothing leaked."""

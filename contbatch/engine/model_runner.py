@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
+from transformers import CompileConfig, PreTrainedModel
 
 from contbatch.engine.attention import (
     METADATA_KWARG,
@@ -15,6 +15,7 @@ from contbatch.engine.attention import (
     remember_own_attention,
 )
 from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
+from contbatch.engine.compile import COMPILED_MARKER, CompiledForward, step_metadata
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.sampler import Sampler
@@ -33,11 +34,16 @@ class ModelRunner:
     Prompt logprobs: `execute` also keeps the logits rows of the chunks that ask for them (a
     `PromptLogprobsTask`) and turns them into entries at once; the next `sample` hands those entries on in its
     `ModelRunnerOutput.prompt_logprobs`. Requests that do not ask cost nothing: no extra rows are computed.
+
+    `compile_paths` ("decode" / "varlen" -> `CompileConfig`) runs those steps through `torch.compile`d forwards
+    (`CompiledForward`); the others run eagerly.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache,
+                 compile_paths: dict[str, CompileConfig] | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.compiled = CompiledForward(model.forward, compile_paths) if compile_paths else None
         # sliding groups leave DEAD_BLOCK entries in block tables
         self.windows = tuple(group.sliding_window for group in cache.groups)
         self.has_dead_blocks = any(window is not None for window in self.windows)
@@ -69,14 +75,15 @@ class ModelRunner:
         self._prompt_logprobs = {}
         input_ids, positions, logits_indices, metadata = self.prepare(scheduler_output)
         self.cache.copy_blocks(scheduler_output.block_copies)
+        inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "use_cache": False,
+                  "logits_to_keep": logits_indices}
+        path = "decode" if len(input_ids) == len(scheduler_output.requests) else "varlen"
         with paged_forward():
-            output = self.model(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=logits_indices,
-                **{METADATA_KWARG: metadata},
-            )
+            if self.compiled is not None and self.compiled.function(path) is not None:
+                with step_metadata(metadata):
+                    output = self.compiled(path, **inputs, **{METADATA_KWARG: COMPILED_MARKER})
+            else:
+                output = self.model(**inputs, **{METADATA_KWARG: metadata})
         logits = output.logits[0]
         num_sampling = sum(1 for entry in scheduler_output.requests if entry.samplers)
         self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)

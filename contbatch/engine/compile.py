@@ -1,0 +1,130 @@
+"""The model's forward under `torch.compile`, with contbatch's paged attention as one opaque custom op.
+
+The stock model is compiled as it is; inside the graph each layer's attention is the op
+`contbatch::paged_attention(query, key, value, layer, scaling, sliding_window, softcap)`, so the graph does not
+break at attention. What the op needs beyond its tensors (block tables, slots, the cache) is the step's
+`PagedAttentionMetadata`, which the model runner publishes for the duration of the forward (`step_metadata`):
+it changes every step and must not become a guard or a constant of the graph.
+
+Two compiled forwards are kept, as transformers keeps them: "decode" (every request computes one token) and
+"varlen" (anything else), each from its `CompileConfig`. Shapes are dynamic (`dynamic=True` in the defaults), so
+a run compiles a bounded number of graphs whatever its batch sizes: one per path, plus the specialisations
+dynamo makes for a batch of one token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import CompileConfig
+
+COMPILED_MARKER = "compiled"
+_step = threading.local()
+
+
+@contextmanager
+def step_metadata(metadata: Any) -> Iterator[None]:
+    """Makes `metadata` the current thread's step metadata for the compiled attention op."""
+    _step.metadata = metadata
+    try:
+        yield
+    finally:
+        _step.metadata = None
+
+
+@torch.library.custom_op("contbatch::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                       sliding_window: int, softcap: float) -> torch.Tensor:
+    """contbatch's paged attention of `layer` for the current step (`step_metadata`): writes the layer's K/V into
+    the cache and returns [1, tokens, heads, head_dim]. `sliding_window` and `softcap` are 0 when unset."""
+    from contbatch.engine.attention import paged_attention_for_layer
+
+    metadata = getattr(_step, "metadata", None)
+    if metadata is None:
+        raise RuntimeError("contbatch::paged_attention ran outside a contbatch step")
+    return paged_attention_for_layer(layer, query, key, value, metadata, scaling, sliding_window or None,
+                                     softcap or None)
+
+
+@paged_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+      sliding_window: int, softcap: float) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+def default_compile_config(device: torch.device) -> CompileConfig:
+    """The config `use_default_compile_configs` fills in: dynamic shapes; on CPU inductor's freezing, which folds
+    the weights into the graph and prepacks them for oneDNN/MKL (so a weight update needs a new compile,
+    `CompiledForward.reset`)."""
+    if device.type == "cpu":
+        return CompileConfig(dynamic=True, options={"freezing": True})
+    return CompileConfig(dynamic=True, mode="default")
+
+
+def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
+    """`torch.compile` keywords for `config` (torch takes `mode` or `options`, not both: options win)."""
+    kwargs: dict[str, Any] = {"fullgraph": config.fullgraph, "dynamic": config.dynamic, "backend": config.backend}
+    if config.options:
+        kwargs["options"] = dict(config.options)
+    else:
+        kwargs["mode"] = config.mode
+    return kwargs
+
+
+@dataclass
+class CompiledForward:
+    """The compiled forwards of one model: `paths` maps "decode" / "varlen" to the `CompileConfig` of each path
+    that is compiled (a path absent runs eagerly). `compile_seconds[path]` is the wall time of that path's first
+    call (compilation included), as stats report it."""
+
+    forward: Callable[..., Any]
+    paths: dict[str, CompileConfig]
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    _compiled: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def function(self, path: str) -> Callable[..., Any] | None:
+        """The compiled forward of `path`, or None when that path runs eagerly."""
+        if path not in self.paths:
+            return None
+        if path not in self._compiled:
+            self._compiled[path] = torch.compile(self.forward, **compile_kwargs(self.paths[path]))
+        return self._compiled[path]
+
+    def __call__(self, path: str, **inputs: Any) -> Any:
+        """Runs the compiled forward of `path` (which must be compiled) on `inputs`."""
+        function = self.function(path)
+        if function is None:
+            raise ValueError(f"path {path!r} is not compiled")
+        first = path not in self.compile_seconds
+        start = time.perf_counter()
+        output = function(**inputs)
+        if first:
+            self.compile_seconds[path] = time.perf_counter() - start
+        return output
+
+    @property
+    def freezes_weights(self) -> bool:
+        """Whether a compiled path folds the weights into its graph (inductor's `freezing`)."""
+        return any((config.options or {}).get("freezing") for config in self.paths.values())
+
+    def reset(self) -> None:
+        """Drops the compiled functions (after a weight update: frozen graphs hold the old weights); the next call
+        of each path compiles again."""
+        self._compiled.clear()
+        self.compile_seconds.clear()
+
+
+def compile_paths(varlen: CompileConfig | None, decode: CompileConfig | None, use_defaults: bool,
+                  device: torch.device) -> dict[str, CompileConfig]:
+    """The paths to compile: each explicit config, and with `use_defaults` the default for the paths not set."""
+    paths = {name: config for name, config in (("varlen", varlen), ("decode", decode)) if config is not None}
+    if use_defaults:
+        for name in ("varlen", "decode"):
+            paths.setdefault(name, default_compile_config(device))
+    return paths
