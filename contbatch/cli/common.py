@@ -13,7 +13,7 @@ CLI_BLOCK_SIZE = 16
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags to `parser`: `--model`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
-    `--scheduler` and `--threads`."""
+    `--scheduler`, `--threads` and `--compile`."""
     parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--block-size", type=int, default=CLI_BLOCK_SIZE,
@@ -24,10 +24,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward pass")
     parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the forward (use_default_compile_configs: dynamic shapes; on CPU "
+                        "frozen, prepacked weights); the first steps pay the compile time")
 
 
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine configuration named by the engine flags of `args` (see `add_engine_flags`)."""
     values = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_batch_tokens": args.max_batch_tokens,
-              "scheduler_type": args.scheduler}
+              "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", False)}
     return ContinuousBatchingConfig.from_sources(None, values)

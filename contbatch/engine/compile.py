@@ -24,7 +24,10 @@ from typing import Any
 import torch
 from transformers import CompileConfig
 
+from contbatch.engine.weights import WeightsFingerprint
+
 COMPILED_MARKER = "compiled"
+SHARED_ATTRIBUTE = "_contbatch_compiled"
 _step = threading.local()
 
 
@@ -81,11 +84,13 @@ def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
 class CompiledForward:
     """The compiled forwards of one model: `paths` maps "decode" / "varlen" to the `CompileConfig` of each path
     that is compiled (a path absent runs eagerly). `compile_seconds[path]` is the wall time of that path's first
-    call (compilation included), as stats report it."""
+    call (compilation included), as stats report it. `weights` is the fingerprint of the weights a frozen graph
+    was compiled with (None until then)."""
 
     forward: Callable[..., Any]
     paths: dict[str, CompileConfig]
     compile_seconds: dict[str, float] = field(default_factory=dict)
+    weights: WeightsFingerprint | None = None
     _compiled: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     def function(self, path: str) -> Callable[..., Any] | None:
@@ -93,6 +98,8 @@ class CompiledForward:
         if path not in self.paths:
             return None
         if path not in self._compiled:
+            if self.freezes_weights and self.weights is None:
+                self.weights = WeightsFingerprint.of(self.forward.__self__)  # type: ignore[attr-defined]
             self._compiled[path] = torch.compile(self.forward, **compile_kwargs(self.paths[path]))
         return self._compiled[path]
 
@@ -118,6 +125,19 @@ class CompiledForward:
         of each path compiles again."""
         self._compiled.clear()
         self.compile_seconds.clear()
+        self.weights = None
+
+
+def shared_compiled_forward(model: torch.nn.Module, paths: dict[str, CompileConfig]) -> CompiledForward:
+    """The `CompiledForward` of `model` for `paths`, shared by every engine on the model (`generate_batch` builds
+    an engine per call: it must not compile again). Kept on the model object (`_contbatch_compiled`), so it lives
+    as long as the model. Frozen graphs whose weights changed since they were compiled are dropped first."""
+    key = repr(sorted((name, config.to_dict()) for name, config in paths.items()))
+    shared: dict[str, CompiledForward] = model.__dict__.setdefault(SHARED_ATTRIBUTE, {})
+    compiled = shared.setdefault(key, CompiledForward(model.forward, paths))
+    if compiled.weights is not None and not compiled.weights.matches(model):
+        compiled.reset()
+    return compiled
 
 
 def compile_paths(varlen: CompileConfig | None, decode: CompileConfig | None, use_defaults: bool,

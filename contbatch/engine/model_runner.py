@@ -15,7 +15,7 @@ from contbatch.engine.attention import (
     remember_own_attention,
 )
 from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
-from contbatch.engine.compile import COMPILED_MARKER, CompiledForward, step_metadata
+from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.sampler import Sampler
@@ -36,14 +36,14 @@ class ModelRunner:
     `ModelRunnerOutput.prompt_logprobs`. Requests that do not ask cost nothing: no extra rows are computed.
 
     `compile_paths` ("decode" / "varlen" -> `CompileConfig`) runs those steps through `torch.compile`d forwards
-    (`CompiledForward`); the others run eagerly.
+    (`CompiledForward`, shared by the engines of one model); the others run eagerly.
     """
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache,
                  compile_paths: dict[str, CompileConfig] | None = None) -> None:
         self.model = model
         self.cache = cache
-        self.compiled = CompiledForward(model.forward, compile_paths) if compile_paths else None
+        self.compiled = shared_compiled_forward(model, compile_paths) if compile_paths else None
         # sliding groups leave DEAD_BLOCK entries in block tables
         self.windows = tuple(group.sliding_window for group in cache.groups)
         self.has_dead_blocks = any(window is not None for window in self.windows)

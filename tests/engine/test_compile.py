@@ -63,3 +63,20 @@ def test_weight_update_recompiles_frozen_graphs() -> None:
         after = run_engine(engine)["after"]
     assert after.generated_tokens == reference_generate(model, prompt, 5)
     assert after.generated_tokens != before.generated_tokens  # the stale graph would have repeated these
+
+
+def test_engines_of_one_model_share_the_compiled_forward() -> None:
+    """`generate_batch` builds an engine per call: the second engine reuses the first one's graphs, unless the
+    weights changed in between (a frozen graph would hold the old ones)."""
+    model = tiny_model("llama")
+    config = {"block_size": 4, "num_blocks": 32, "decode_compile_config": default_compile_config(torch.device("cpu"))}
+    with make_engine(model, **config) as first:
+        first.add_request([5, 6, 7], request_id="a", max_new_tokens=3)
+        run_engine(first)
+        compiled = first.model_runner.compiled
+    with make_engine(model, **config) as second:
+        assert second.model_runner.compiled is compiled and "decode" in compiled.compile_seconds
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.5)
+    with make_engine(model, **config) as third:
+        assert third.model_runner.compiled is compiled and not compiled.compile_seconds
