@@ -14,10 +14,12 @@ dynamo makes for a batch of one token.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ from transformers import CompileConfig
 from contbatch.engine.weights import WeightsFingerprint
 
 COMPILED_MARKER = "compiled"
+_compiles = itertools.count()
 SHARED_ATTRIBUTE = "_contbatch_compiled"
 _step = threading.local()
 
@@ -66,18 +69,31 @@ def default_compile_config(device: torch.device) -> CompileConfig:
     the weights into the graph and prepacks them for oneDNN/MKL (so a weight update needs a new compile,
     `CompiledForward.reset`)."""
     if device.type == "cpu":
-        return CompileConfig(dynamic=True, options={"freezing": True})
+        return CompileConfig(dynamic=True, mode="default", options={"freezing": True})
     return CompileConfig(dynamic=True, mode="default")
 
 
 def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
-    """`torch.compile` keywords for `config` (torch takes `mode` or `options`, not both: options win)."""
+    """`torch.compile` keywords for `config` (torch takes `mode` or `options`, not both: options win). `freezing`
+    is left out: inductor decides on it from its global config, which `torch.compile(options=...)` does not
+    reach, so `CompiledForward` sets it around its calls instead (`freezing_patch`)."""
     kwargs: dict[str, Any] = {"fullgraph": config.fullgraph, "dynamic": config.dynamic, "backend": config.backend}
-    if config.options:
-        kwargs["options"] = dict(config.options)
+    options = {key: value for key, value in (config.options or {}).items() if key != "freezing"}
+    if options:
+        kwargs["options"] = options
     else:
         kwargs["mode"] = config.mode
     return kwargs
+
+
+def freezing_patch(config: CompileConfig) -> AbstractContextManager[Any]:
+    """Inductor's global `freezing` as `config.options` asks, for the duration of a call (compilation happens in
+    the first call, and in any recompile)."""
+    if (config.options or {}).get("freezing"):
+        import torch._inductor.config as inductor_config
+
+        return inductor_config.patch(freezing=True)
+    return nullcontext()
 
 
 @dataclass
@@ -100,7 +116,7 @@ class CompiledForward:
         if path not in self._compiled:
             if self.freezes_weights and self.weights is None:
                 self.weights = WeightsFingerprint.of(self.forward.__self__)  # type: ignore[attr-defined]
-            self._compiled[path] = torch.compile(self.forward, **compile_kwargs(self.paths[path]))
+            self._compiled[path] = torch.compile(_fresh_code(self.forward), **compile_kwargs(self.paths[path]))
         return self._compiled[path]
 
     def __call__(self, path: str, **inputs: Any) -> Any:
@@ -110,7 +126,8 @@ class CompiledForward:
             raise ValueError(f"path {path!r} is not compiled")
         first = path not in self.compile_seconds
         start = time.perf_counter()
-        output = function(**inputs)
+        with freezing_patch(self.paths[path]):
+            output = function(**inputs)
         if first:
             self.compile_seconds[path] = time.perf_counter() - start
         return output
@@ -126,6 +143,17 @@ class CompiledForward:
         self._compiled.clear()
         self.compile_seconds.clear()
         self.weights = None
+
+
+def _fresh_code(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling `forward`, with a code object of its own. Dynamo keeps compiled graphs on the code
+    object it compiles: after `reset`, a graph compiled from `model.forward`'s own code could be found again,
+    with the old frozen weights in it. The old graphs go when their function does."""
+    def call(**inputs: Any) -> Any:
+        return forward(**inputs)
+
+    code = call.__code__.replace(co_name=f"contbatch_forward_{next(_compiles)}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
 
 
 def shared_compiled_forward(model: torch.nn.Module, paths: dict[str, CompileConfig]) -> CompiledForward:
