@@ -25,8 +25,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the forward (use_default_compile_configs: dynamic shapes; on CPU "
-                        "frozen, prepacked weights); the first steps pay the compile time")
+                        help="torch.compile the forward (use_default_compile_configs: inductor, dynamic shapes); "
+                        "the first steps pay the compile time")
 
 
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:

@@ -65,11 +65,10 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, s
 
 
 def default_compile_config(device: torch.device) -> CompileConfig:
-    """The config `use_default_compile_configs` fills in: dynamic shapes; on CPU inductor's freezing, which folds
-    the weights into the graph and prepacks them for oneDNN/MKL (so a weight update needs a new compile,
-    `CompiledForward.reset`)."""
-    if device.type == "cpu":
-        return CompileConfig(dynamic=True, mode="default", options={"freezing": True})
+    """The config `use_default_compile_configs` fills in: inductor, dynamic shapes, weights as graph inputs (a
+    weight update needs no new compile). Inductor's freezing (`options={"freezing": True}`: weights folded into
+    the graph and prepacked for oneDNN) is supported but not the default: on the README's benchmark it made the
+    whole run slower on an AVX2 CPU, and every weight update recompiles."""
     return CompileConfig(dynamic=True, mode="default")
 
 
@@ -116,7 +115,8 @@ class CompiledForward:
         if path not in self._compiled:
             if self.freezes_weights and self.weights is None:
                 self.weights = WeightsFingerprint.of(self.forward.__self__)  # type: ignore[attr-defined]
-            self._compiled[path] = torch.compile(_fresh_code(self.forward), **compile_kwargs(self.paths[path]))
+            forward = _fresh_code(self.forward) if self.freezes_weights else self.forward
+            self._compiled[path] = torch.compile(forward, **compile_kwargs(self.paths[path]))
         return self._compiled[path]
 
     def __call__(self, path: str, **inputs: Any) -> Any:

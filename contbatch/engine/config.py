@@ -27,8 +27,8 @@ class ContinuousBatchingConfig:
             and of the steps where every request decodes one token; None runs that path eagerly (unless
             `use_default_compile_configs`). The model's forward is compiled whole, attention included as the
             custom op `contbatch::paged_attention` (see `contbatch.engine.compile`).
-        use_default_compile_configs: compile the paths left None with `default_compile_config` (dynamic shapes;
-            on CPU inductor's freezing, which prepacks the weights).
+        use_default_compile_configs: compile the paths left None with `default_compile_config` (inductor,
+            dynamic shapes).
         use_async_batching, use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, max_cached_graphs:
             CUDA-graph and double-buffering knobs of transformers' implementation. They are accepted and
             validated; contbatch does not use them yet (compiled shapes are dynamic, not padded).

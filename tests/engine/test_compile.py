@@ -13,15 +13,19 @@ LENGTHS = [1, 5, 17, 40]
 MAX_NEW = [6, 9, 3, 7]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2-softcap"])
-def test_compiled_greedy_matches_generate(name: str) -> None:
-    """Both paths compiled with the defaults (CPU: dynamic shapes, frozen prepacked weights)."""
+FROZEN = CompileConfig(dynamic=True, mode="default", options={"freezing": True})
+
+
+@pytest.mark.parametrize(("name", "frozen"), [("llama", False), ("gemma2-softcap", False), ("llama", True)])
+def test_compiled_greedy_matches_generate(name: str, frozen: bool) -> None:
+    """Both paths compiled with the defaults (dynamic shapes), or frozen (weights prepacked for oneDNN)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = tiny_model(name)
     prompts = random_prompts(LENGTHS, seed=11)
-    with make_engine(model, block_size=4, num_blocks=200, max_batch_tokens=24,
-                     use_default_compile_configs=True) as engine:
+    configs = {"varlen_compile_config": FROZEN, "decode_compile_config": FROZEN} if frozen else {
+        "use_default_compile_configs": True}
+    with make_engine(model, block_size=4, num_blocks=200, max_batch_tokens=24, **configs) as engine:
         for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
             engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=max_new)
         finished = run_engine(engine)
@@ -30,7 +34,8 @@ def test_compiled_greedy_matches_generate(name: str) -> None:
     for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
         assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, max_new), f"r{index}"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0  # prepacked
+    packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    assert (packed > 0) == frozen
 
 
 def test_only_configured_paths_compile() -> None:
@@ -39,9 +44,10 @@ def test_only_configured_paths_compile() -> None:
     assert compile_paths(None, decode, False, cpu) == {"decode": decode}
     assert compile_paths(None, None, False, cpu) == {}
     paths = compile_paths(None, decode, True, cpu)
-    assert paths["decode"] is decode and paths["varlen"].options == {"freezing": True}
+    assert paths["decode"] is decode and paths["varlen"].dynamic and not paths["varlen"].options
     assert compile_kwargs(default_compile_config(cpu)) == {"fullgraph": False, "dynamic": True,
                                                           "backend": "inductor", "mode": "default"}
+    assert compile_kwargs(FROZEN) == compile_kwargs(default_compile_config(cpu))  # freezing: set around calls
     assert compile_kwargs(decode)["mode"] == "default"
 
 
@@ -51,8 +57,7 @@ def test_weight_update_recompiles_frozen_graphs() -> None:
     torch._dynamo.reset()
     model = tiny_model("llama")
     prompt = random_prompts([9], seed=12)[0]
-    with make_engine(model, block_size=4, num_blocks=64, decode_compile_config=default_compile_config(
-            torch.device("cpu"))) as engine:
+    with make_engine(model, block_size=4, num_blocks=64, decode_compile_config=FROZEN) as engine:
         engine.add_request(prompt, request_id="before", max_new_tokens=5)
         before = run_engine(engine)["before"]
         with torch.no_grad():
@@ -70,7 +75,7 @@ def test_engines_of_one_model_share_the_compiled_forward() -> None:
     """`generate_batch` builds an engine per call: the second engine reuses the first one's graphs, unless the
     weights changed in between (a frozen graph would hold the old ones)."""
     model = tiny_model("llama")
-    config = {"block_size": 4, "num_blocks": 32, "decode_compile_config": default_compile_config(torch.device("cpu"))}
+    config = {"block_size": 4, "num_blocks": 32, "decode_compile_config": FROZEN}
     with make_engine(model, **config) as first:
         first.add_request([5, 6, 7], request_id="a", max_new_tokens=3)
         run_engine(first)
