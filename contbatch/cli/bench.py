@@ -6,10 +6,16 @@ import argparse
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from contbatch.cli.common import add_engine_flags, engine_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from contbatch.bench.throughput import BenchResult, EosTokenId
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
@@ -62,7 +68,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.workload != "throughput":
         return _bench_workload(args)
     from contbatch.bench import throughput, vllm_peer
-    from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
+    from contbatch.data.embedded import load_model_and_tokenizer
     from contbatch.data.prompts import chat_inputs, load_prompts
 
     engines = [name.strip() for name in args.engines.split(",") if name.strip()]
@@ -79,22 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
           flush=True)
     results, notes = [], []
     for name in engines:
-        if name.startswith("contbatch"):
-            config = engine_config(args)
-            if name == "contbatch-compiled":
-                config = replace(config, use_default_compile_configs=True)
-            result = throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config)
-        elif name == "vllm":
-            vllm_run = vllm_peer.run_vllm(resolve_model_dir(args.model), inputs, args.max_new_tokens, eos,
-                                          model.dtype, python=args.peers_python)
-            result = vllm_run.result
-            notes.append(vllm_peer.settings_line(vllm_run))
-        elif name == "transformers":
-            result = throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
-                                                                args.max_new_tokens, eos)
-        else:
-            result = throughput.run_static_generate(model, inputs, args.max_new_tokens, eos, pad,
-                                                    args.static_batch_size)
+        result = _run_throughput_engine(name, args, model, inputs, eos, pad, notes)
         print(f"  {result.engine}: {result.wall_s:.1f} s, {result.generated_tok_s:.1f} generated tok/s", flush=True)
         results.append(result)
     num_params = sum(parameter.numel() for parameter in model.parameters())
@@ -108,6 +99,29 @@ def _bench(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(table + "\n")
     return 0
+
+
+def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTrainedModel, inputs: list[list[int]],
+                           eos: EosTokenId, pad: int | None, notes: list[str]) -> BenchResult:
+    """Runs the throughput workload through engine `name` (one of `--engines`); vLLM adds its settings line to
+    `notes`. Returns the `BenchResult`."""
+    from contbatch.bench import throughput, vllm_peer
+    from contbatch.data.embedded import resolve_model_dir
+
+    if name.startswith("contbatch"):
+        config = engine_config(args)
+        if name == "contbatch-compiled":
+            config = replace(config, use_default_compile_configs=True)
+        return throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config)
+    if name == "vllm":
+        vllm_run = vllm_peer.run_vllm(resolve_model_dir(args.model), inputs, args.max_new_tokens, eos,
+                                      model.dtype, python=args.peers_python)
+        notes.append(vllm_peer.settings_line(vllm_run))
+        return vllm_run.result
+    if name == "transformers":
+        return throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
+                                                          args.max_new_tokens, eos)
+    return throughput.run_static_generate(model, inputs, args.max_new_tokens, eos, pad, args.static_batch_size)
 
 
 def _bench_workload(args: argparse.Namespace) -> int:
