@@ -64,7 +64,7 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, s
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
-def default_compile_config(device: torch.device) -> CompileConfig:
+def default_compile_config() -> CompileConfig:
     """The config `use_default_compile_configs` fills in: inductor, dynamic shapes, weights as graph inputs (a
     weight update needs no new compile). Inductor's freezing (`options={"freezing": True}`: weights folded into
     the graph and prepacked for oneDNN) is supported but not the default: on the README's benchmark it made the
@@ -168,11 +168,11 @@ def shared_compiled_forward(model: torch.nn.Module, paths: dict[str, CompileConf
     return compiled
 
 
-def compile_paths(varlen: CompileConfig | None, decode: CompileConfig | None, use_defaults: bool,
-                  device: torch.device) -> dict[str, CompileConfig]:
+def compile_paths(varlen: CompileConfig | None, decode: CompileConfig | None,
+                  use_defaults: bool) -> dict[str, CompileConfig]:
     """The paths to compile: each explicit config, and with `use_defaults` the default for the paths not set."""
     paths = {name: config for name, config in (("varlen", varlen), ("decode", decode)) if config is not None}
     if use_defaults:
         for name in ("varlen", "decode"):
-            paths.setdefault(name, default_compile_config(device))
+            paths.setdefault(name, default_compile_config())
     return paths

@@ -74,7 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
         self.model_runner = ModelRunner(model, self.cache, compile_paths(
             self.config.varlen_compile_config, self.config.decode_compile_config,
-            self.config.use_default_compile_configs, device))
+            self.config.use_default_compile_configs))
         self.sampler = self.model_runner.sampler
         self.device = device
         text_config = model.config.get_text_config()

@@ -40,14 +40,13 @@ def test_compiled_greedy_matches_generate(name: str, frozen: bool) -> None:
 
 def test_only_configured_paths_compile() -> None:
     decode = CompileConfig(dynamic=True, mode="default")
-    cpu = torch.device("cpu")
-    assert compile_paths(None, decode, False, cpu) == {"decode": decode}
-    assert compile_paths(None, None, False, cpu) == {}
-    paths = compile_paths(None, decode, True, cpu)
+    assert compile_paths(None, decode, False) == {"decode": decode}
+    assert compile_paths(None, None, False) == {}
+    paths = compile_paths(None, decode, True)
     assert paths["decode"] is decode and paths["varlen"].dynamic and not paths["varlen"].options
-    assert compile_kwargs(default_compile_config(cpu)) == {"fullgraph": False, "dynamic": True,
+    assert compile_kwargs(default_compile_config()) == {"fullgraph": False, "dynamic": True,
                                                           "backend": "inductor", "mode": "default"}
-    assert compile_kwargs(FROZEN) == compile_kwargs(default_compile_config(cpu))  # freezing: set around calls
+    assert compile_kwargs(FROZEN) == compile_kwargs(default_compile_config())  # freezing: set around calls
     assert compile_kwargs(decode)["mode"] == "default"
 
 
