@@ -42,14 +42,20 @@ _MODELS: dict[str, PreTrainedModel] = {}
 
 
 def tiny_model(name: str) -> PreTrainedModel:
-    """A tiny random model of family `name`, built once per test session (seeded, float32, eval mode)."""
+    """A tiny random model of family `name`, built once per test session (seeded, float32, eval mode). Shared:
+    a test that changes its weights or attaches state to it takes `fresh_tiny_model` instead."""
     if name not in _MODELS:
-        torch.manual_seed(1234)
-        attention = "eager" if name.startswith("gemma2") else "sdpa"  # Gemma 2 has no SDPA path in transformers
-        model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation=attention)
-        model.generation_config.eos_token_id = None  # tests choose their EOS explicitly
-        _MODELS[name] = model.eval()
+        _MODELS[name] = fresh_tiny_model(name)
     return _MODELS[name]
+
+
+def fresh_tiny_model(name: str) -> PreTrainedModel:
+    """A new instance of `tiny_model(name)` (same seed, same weights), for the test alone."""
+    torch.manual_seed(1234)
+    attention = "eager" if name.startswith("gemma2") else "sdpa"  # Gemma 2 has no SDPA path in transformers
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation=attention)
+    model.generation_config.eos_token_id = None  # tests choose their EOS explicitly
+    return model.eval()
 
 
 @pytest.fixture(params=sorted(TINY_CONFIGS))

@@ -99,7 +99,7 @@ def run_contbatch(
     if failed:
         raise RuntimeError(f"contbatch failed {len(failed)} requests, first: {failed[0]}")
     return BenchResult(
-        engine="contbatch (compiled)" if config is not None and _compiles(config) else "contbatch",
+        engine="contbatch (compiled)" if config is not None and _compile_paths(config) else "contbatch",
         wall_s=wall,
         generated_tokens=sum(len(output.generated_tokens) for output in outputs.values()),
         prompt_tokens=sum(len(ids) for ids in inputs),
@@ -107,8 +107,11 @@ def run_contbatch(
     )
 
 
-def _compiles(config: ContinuousBatchingConfig) -> bool:
-    return bool(config.use_default_compile_configs or config.varlen_compile_config or config.decode_compile_config)
+def _compile_paths(config: ContinuousBatchingConfig) -> dict[str, object]:
+    from contbatch.engine.compile import compile_paths
+
+    return dict(compile_paths(config.varlen_compile_config, config.decode_compile_config,
+                              config.use_default_compile_configs))
 
 
 def compile_seconds(model: PreTrainedModel) -> dict[str, float]:

@@ -99,8 +99,8 @@ def freezing_patch(config: CompileConfig) -> AbstractContextManager[Any]:
 class CompiledForward:
     """The compiled forwards of one model: `paths` maps "decode" / "varlen" to the `CompileConfig` of each path
     that is compiled (a path absent runs eagerly). `compile_seconds[path]` is the wall time of that path's first
-    call (compilation included), as stats report it. `weights` is the fingerprint of the weights a frozen graph
-    was compiled with (None until then)."""
+    call (compilation included), as `contbatch bench` reports it. `weights` is the fingerprint of the weights a
+    frozen graph was compiled with (None until then)."""
 
     forward: Callable[..., Any]
     paths: dict[str, CompileConfig]

@@ -79,7 +79,7 @@ class ModelRunner:
                   "logits_to_keep": logits_indices}
         path = "decode" if len(input_ids) == len(scheduler_output.requests) else "varlen"
         with paged_forward():
-            if self.compiled is not None and self.compiled.function(path) is not None:
+            if self.compiled is not None and path in self.compiled.paths:
                 with step_metadata(metadata):
                     output = self.compiled(path, **inputs, **{METADATA_KWARG: COMPILED_MARKER})
             else:

@@ -8,12 +8,12 @@ import torch
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.bench import throughput
-from tests.conftest import random_prompts, tiny_model
+from tests.conftest import fresh_tiny_model, random_prompts
 
 
 def test_compiled_engine_is_named_and_reports_its_compile_time() -> None:
     torch._dynamo.reset()
-    model = tiny_model("llama")
+    model = fresh_tiny_model("llama")
     inputs = random_prompts([5, 12, 3], seed=21)
     config = ContinuousBatchingConfig(block_size=4, num_blocks=64)
     eager = throughput.run_contbatch(model, inputs, 6, None, config)

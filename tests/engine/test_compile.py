@@ -7,7 +7,7 @@ import torch
 from transformers import CompileConfig
 
 from contbatch.engine.compile import compile_kwargs, compile_paths, default_compile_config
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 
 LENGTHS = [1, 5, 17, 40]
 MAX_NEW = [6, 9, 3, 7]
@@ -21,7 +21,7 @@ def test_compiled_greedy_matches_generate(name: str, frozen: bool) -> None:
     """Both paths compiled with the defaults (dynamic shapes), or frozen (weights prepacked for oneDNN)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = tiny_model(name)
+    model = fresh_tiny_model(name)
     prompts = random_prompts(LENGTHS, seed=11)
     configs = {"varlen_compile_config": FROZEN, "decode_compile_config": FROZEN} if frozen else {
         "use_default_compile_configs": True}
@@ -54,7 +54,7 @@ def test_weight_update_recompiles_frozen_graphs() -> None:
     """A frozen graph holds the weights it was compiled with: after the weights signal the next step compiles
     again and uses the new weights (greedy output equals `generate` with them)."""
     torch._dynamo.reset()
-    model = tiny_model("llama")
+    model = fresh_tiny_model("llama")
     prompt = random_prompts([9], seed=12)[0]
     with make_engine(model, block_size=4, num_blocks=64, decode_compile_config=FROZEN) as engine:
         engine.add_request(prompt, request_id="before", max_new_tokens=5)
@@ -73,7 +73,7 @@ def test_weight_update_recompiles_frozen_graphs() -> None:
 def test_engines_of_one_model_share_the_compiled_forward() -> None:
     """`generate_batch` builds an engine per call: the second engine reuses the first one's graphs, unless the
     weights changed in between (a frozen graph would hold the old ones)."""
-    model = tiny_model("llama")
+    model = fresh_tiny_model("llama")
     config = {"block_size": 4, "num_blocks": 32, "decode_compile_config": FROZEN}
     with make_engine(model, **config) as first:
         first.add_request([5, 6, 7], request_id="a", max_new_tokens=3)
