@@ -8,16 +8,19 @@ from typing import NamedTuple
 
 import torch
 
+from contbatch.engine.logits_processors import TokenHistory
 from contbatch.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingTarget:
-    """A request that samples a token from a row of this step's logits."""
+    """A request that samples a token from a row of this step's logits, with its tokens so far (a live view:
+    read it during the step only)."""
 
     request_id: str
     params: SamplingParams
     generator: torch.Generator | None
+    history: TokenHistory | None = None
 
 
 class PromptLogprobsTask(NamedTuple):

@@ -14,6 +14,7 @@ from contbatch.engine.batch import ScheduledRequest
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.compile import compile_paths
 from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.engine.generation_config import check_supported, resolve_generation_config
 from contbatch.engine.kv_cache import (
     KVCacheSpec,
     PagedKVCache,
@@ -56,7 +57,8 @@ class LLMEngine:
         config: ContinuousBatchingConfig | None = None,
     ) -> None:
         self.config = config or ContinuousBatchingConfig()
-        self.generation_config = generation_config or model.generation_config
+        self.generation_config = resolve_generation_config(generation_config, model.generation_config)
+        check_supported(self.generation_config)
         device = next(model.parameters()).device
         spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype)
         groups = kv_cache_groups(model.config)
@@ -130,15 +132,18 @@ class LLMEngine:
         it. Raises ValueError naming the request and the bad value."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
+        prompt = self._validate_prompt(request_id, input_ids)
         try:
             params = SamplingParams.from_generation_config(
-                self.generation_config, max_new_tokens=max_new_tokens, **sampling
+                self.generation_config, len(prompt), self.max_position_embeddings, max_new_tokens=max_new_tokens,
+                **sampling
             )
+            self._check_token_ids(params)
         except ValueError as error:
             raise ValueError(f"request {request_id!r}: {error}") from None
         if self.config.return_logprobs and not params.logprobs:
             params = replace(params, logprobs=True)
-        prompt = self._validate_prompt(request_id, input_ids, params)
+        self._check_lengths(request_id, len(prompt), params)
         request = Request(request_id, prompt, params)
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -170,8 +175,13 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: a request with this id is already running")
 
-    def _validate_prompt(self, request_id: str, input_ids: Sequence[int] | torch.Tensor,
-                         params: SamplingParams) -> list[int]:
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, token_ids in params.token_id_fields.items():
+            outside = [token_id for token_id in token_ids if token_id >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_prompt(self, request_id: str, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() != 1 or input_ids.is_floating_point():
                 raise ValueError(f"request {request_id!r}: input_ids must be a 1-D integer tensor, got {input_ids!r}")
@@ -187,11 +197,13 @@ class LLMEngine:
                 raise ValueError(
                     f"request {request_id!r}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        if params.prompt_logprobs_start >= len(input_ids):
-            raise ValueError(f"request {request_id!r}: prompt_logprobs_start={params.prompt_logprobs_start} is not "
-                             f"a position of the prompt ({len(input_ids)} tokens)")
-        self._check_fits(request_id, len(input_ids), params.max_new_tokens)
         return list(input_ids)
+
+    def _check_lengths(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if params.prompt_logprobs_start >= num_prompt_tokens:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs_start={params.prompt_logprobs_start} is not "
+                             f"a position of the prompt ({num_prompt_tokens} tokens)")
+        self._check_fits(request_id, num_prompt_tokens, params.max_new_tokens)
 
     def _check_fits(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raises ValueError when the request cannot run: more positions than the model has, or more blocks

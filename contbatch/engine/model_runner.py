@@ -102,7 +102,8 @@ class ModelRunner:
             logits = logits[torch.tensor(scheduler_output.sampling_rows, device=logits.device)]
         if logits_mask is not None:
             logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
-        sampled = self.sampler.sample(logits, [t.params for t in targets], [t.generator for t in targets])
+        sampled = self.sampler.sample(logits, [t.params for t in targets], [t.generator for t in targets],
+                                      [t.history for t in targets] if any(t.history for t in targets) else None)
         top = None
         if sampled.top_logprobs is not None:
             values, ids = sampled.top_logprobs

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from contbatch.engine.batch import SamplingTarget
+from contbatch.engine.logits_processors import TokenHistory
 from contbatch.engine.sampling_params import SamplingParams
 
 
@@ -128,12 +129,14 @@ class Request:
     @functools.cached_property
     def sampling_target(self) -> SamplingTarget:
         """How this request samples (its parameters and generator never change)."""
-        return SamplingTarget(self.request_id, self.params, self.generator)
+        return SamplingTarget(self.request_id, self.params, self.generator,
+                              TokenHistory(self.token_ids, self.num_prompt_tokens))
 
     def append_token(self, token_id: int) -> None:
-        """Records a sampled token and finishes the request if it is an EOS token or the last one allowed."""
+        """Records a sampled token and finishes the request if it is a stop token (`SamplingParams.stop_ids`)
+        or the last one allowed."""
         self.token_ids.append(token_id)
-        if token_id in self.params.eos_token_ids:
+        if token_id in self.params.stop_ids:
             self.finish(RequestStatus.FINISHED, "stop")
         elif self.num_generated_tokens >= self.params.max_new_tokens:
             self.finish(RequestStatus.FINISHED, "length")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contbatch.engine.logits_processors import TokenHistory, apply_processors
 from contbatch.engine.sampling_params import SamplingParams
 
 
@@ -52,6 +53,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SamplerOutput:
         """Chooses one token per row of `logits`.
 
@@ -63,26 +65,31 @@ class Sampler:
                 randomness only from it, so its token depends only on its logits, its parameters and its
                 generator state, not on the rest of the batch (nor on whether or how it asked for logprobs).
                 None draws from the global RNG.
+            histories: each row's tokens so far; needed when a row uses logits processors (penalties, biases,
+                banned tokens, `min_tokens`: see `apply_processors`), which apply to greedy rows too, as in
+                `generate`.
 
         Returns:
             The chosen tokens and, when any row asked, their log-probabilities, moved to CPU. Processed
             logprobs reuse the scores and normaliser the tokens were drawn with: no second pass of processing.
 
         Raises:
-            ValueError: when logits is not 2-D or params/generators do not have one entry per row.
+            ValueError: when logits is not 2-D, params/generators do not have one entry per row, or a row uses
+                processors without histories.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
             raise ValueError(f"got {n} logits rows, {len(params)} params and {len(generators)} generators")
-        token_ids = logits.argmax(dim=-1)
+        adjusted = apply_processors(logits, params, histories)
+        token_ids = adjusted.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
         processed = None
         if sampled:
             whole = len(sampled) == n
             rows = None if whole else torch.tensor(sampled, device=logits.device)
-            scores = process_logits(logits if rows is None else logits.index_select(0, rows),
+            scores = process_logits(adjusted if rows is None else adjusted.index_select(0, rows),
                                     params if whole else [params[i] for i in sampled])
             processed = _Processed(sampled, scores, scores.logsumexp(dim=-1, keepdim=True))
             chosen = _draw(processed, generators if whole else [generators[i] for i in sampled])
@@ -90,19 +97,30 @@ class Sampler:
                 token_ids = chosen
             else:
                 token_ids[rows] = chosen
-        logprobs, top = _logprobs(logits, token_ids, params, processed)
+        logprobs, top = _logprobs(_logprobs_base(logits, adjusted, params), token_ids, params, processed)
         return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs, top_logprobs=top)
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The scores sampled rows draw from: [M, vocab] float32 `logits` divided by each row's temperature, then
-    masked to -inf outside its top-k and then outside its top-p nucleus (`_mask_top_k_top_p`). Every logits
-    processor belongs here, so that "processed" logprobs see exactly what sampling saw."""
+    """The scores sampled rows draw from: [M, vocab] float32 `logits` (already through `apply_processors`)
+    divided by each row's temperature, then masked to -inf outside its top-k, outside its top-p nucleus
+    (`_mask_top_k_top_p`) and below its min-p threshold (`_mask_min_p`): `generate`'s warpers, in its order.
+    Every warper belongs here, so that "processed" logprobs see exactly what sampling saw."""
     scores = logits.float()
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
         scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=scores.device)[:, None]
-    return _mask_top_k_top_p(scores, params)
+    return _mask_min_p(_mask_top_k_top_p(scores, params), params)
+
+
+def _mask_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`MinPLogitsWarper`: -inf at every token whose probability is below the row's min_p times its most likely
+    token's (which always stays)."""
+    if not any(p.min_p > 0 for p in params):
+        return scores
+    probs = torch.softmax(scores, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)[:, None]
+    return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -114,23 +132,35 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     return (probs / noise).argmax(dim=-1)
 
 
+def _logprobs_base(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The scores logprobs are read from for rows that did not sample: raw `logits`, except the rows in
+    "processed" mode, which read the processors' output `adjusted`."""
+    if adjusted is logits or not any(p.wants_logprobs for p in params):
+        return logits
+    rows = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs and not p.do_sample]
+    if not rows:
+        return logits
+    index = torch.tensor(rows, device=logits.device)
+    return logits.float().index_copy(0, index, adjusted.index_select(0, index))
+
+
 def _logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams], processed: _Processed | None
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """The `SamplerOutput` logprobs and top logprobs of the batch, on CPU; (None, None) when no row asks.
-    Raw rows are read from `logits`, processed rows from `processed` (which holds every sampled row); the raw
-    pass is skipped when no row needs it."""
+    Sampled rows in "processed" mode are read from `processed` (which holds every sampled row), the others
+    from `logits` (see `_logprobs_base`); the pass over `logits` is skipped when no row needs it."""
     if not any(p.wants_logprobs for p in params):
         return None, None
     k = max(p.top_logprobs for p in params)
-    targets = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs]
+    targets = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs and p.do_sample]
     if processed is None or not targets:
         return _to_cpu(*_read(logits.float(), None, token_ids, k))
     dest = torch.tensor(targets, device=token_ids.device)
     values, top = _read_processed(processed, targets, token_ids.index_select(0, dest), k)
     if len(targets) == len(params):
         return _to_cpu(values, top)
-    if any(p.wants_logprobs and not p.processed_logprobs for p in params):
+    if any(p.wants_logprobs and not (p.processed_logprobs and p.do_sample) for p in params):
         base, base_top = _read(logits.float(), None, token_ids, k)
     else:
         base = torch.zeros(token_ids.shape, device=token_ids.device)

@@ -106,10 +106,13 @@ class EngineClient:
     ) -> str:
         """Submits a request; returns its id. A streaming request gets an output after every token, the others
         one final output. `sampling` overrides the generation config for this request (`do_sample`,
-        `temperature`, `top_k`, `top_p`, `seed`, `logprobs`, `top_logprobs`, `logprobs_mode`: "raw" or
+        `temperature`, `top_k`, `top_p`, `min_p`, `min_tokens` / `min_new_tokens`, `repetition_penalty`,
+        `presence_penalty`, `frequency_penalty`, `logit_bias`, `bad_words_ids`, `suppress_tokens`,
+        `stop_token_ids`, `ignore_eos`, `seed`, `logprobs`, `top_logprobs`, `logprobs_mode`: "raw" or
         "processed", `prompt_logprobs`: None or k in 0..20, the logprobs of the prompt tokens and their top k,
-        `prompt_logprobs_start`: the first prompt index to score; see `SamplingParams`). `max_new_tokens=0`
-        scores the prompt without generating. The n samples of a prompt all carry its prompt logprobs.
+        `prompt_logprobs_start`: the first prompt index to score; see `SamplingParams`); fields left unset
+        resolve as `model.generate` resolves them. `max_new_tokens=0` scores the prompt without generating.
+        The n samples of a prompt all carry its prompt logprobs.
 
         With `n > 1`, n samples of the prompt run as requests `<id>_0` ... `<id>_<n-1>` (sample j seeded with
         `seed + j` when a seed is given); the prompt is computed once, and the samples share its KV blocks (a

@@ -89,7 +89,7 @@ def run() -> Run:
                 cases[rid] = prompts[index]
                 engine.add(engine.make_request(prompts[index], rid, NEW_TOKENS, seed=100 + index, logprobs=True,
                                                top_logprobs=TOP, logprobs_mode=mode,
-                                               **{"do_sample": True, **settings}))
+                                               **{"do_sample": True, "top_k": 0, **settings}))
         outputs = run_engine(engine)
     raw = {rid: reference_logits(reference, prompt, outputs[rid].generated_tokens) for rid, prompt in cases.items()}
     return Run(outputs, raw)
