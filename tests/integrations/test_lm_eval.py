@@ -262,6 +262,10 @@ def test_truncation_and_generation_settings_follow_hf() -> None:
     settings = generation_settings({"temperature": 0.5, "top_p": 0.9}, "</s>", 256)
     assert settings.sampling == {"do_sample": True, "temperature": 0.5, "top_p": 0.9}
     assert settings.max_new_tokens == 256
+    settings = generation_settings({"do_sample": False, "repetition_penalty": 1.2, "top_p": 0.9}, "</s>", 256)
+    assert settings.sampling == {"do_sample": False, "repetition_penalty": 1.2}  # applied greedy too, as generate does
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        generation_settings({"no_repeat_ngram_size": 3}, "</s>", 256)
 
 
 def test_local_completions_against_contbatch_serve_equals_hf(model_dir: Path,

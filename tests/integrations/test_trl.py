@@ -15,7 +15,7 @@ from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from trl import GRPOConfig
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.integrations.trl import ContbatchGRPOTrainer, benchmark
 from contbatch.integrations.trl.gsm8k import numeric_answer_reward
@@ -149,7 +149,7 @@ def test_grpo_with_lora_and_gradient_checkpointing(tmp_path: Path, tokenizer: Pr
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ({"repetition_penalty": 1.3}, r"repetition_penalty=1\.3"),
+    ({"generation_kwargs": {"no_repeat_ngram_size": 2}}, r"generation_kwargs\['no_repeat_ngram_size'\]"),
     ({"generation_kwargs": {"num_beams": 2}}, r"generation_kwargs\['num_beams'\]"),
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
@@ -158,6 +158,31 @@ def test_unsupported_settings_are_refused_by_name(tmp_path: Path, tokenizer: Pre
         ContbatchGRPOTrainer(model=tiny_policy(tokenizer), reward_funcs=distinct_characters,
                              args=grpo_args(tmp_path, steps=1, **setting),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
+
+
+def test_min_p_and_repetition_penalty_reach_the_engine(tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = ContbatchGRPOTrainer(
+        model=tiny_policy(tokenizer), reward_funcs=distinct_characters,
+        args=grpo_args(tmp_path, steps=1, min_p=0.2, repetition_penalty=1.3),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+        contbatch_config=ContinuousBatchingConfig(block_size=8, num_blocks=256), release_kv_between_steps=False,
+    )
+    params: list[Any] = []
+    original = LLMEngine.add
+
+    def recording(self: LLMEngine, request: Any) -> None:
+        params.append(request.params)
+        original(self, request)
+
+    monkeypatch.setattr(LLMEngine, "add", recording)
+    prompt_ids = [tokenizer(text)["input_ids"] for text in PROMPTS[:2]]
+    try:
+        completions, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, 1)
+    finally:
+        trainer.close_contbatch()
+    assert len(completions) == 2 and all(completions) and all(math.isfinite(lp) for row in logprobs for lp in row)
+    assert params and all(p.min_p == 0.2 and p.repetition_penalty == 1.3 for p in params)
 
 
 def test_numeric_answer_reward() -> None:

@@ -10,7 +10,8 @@ from typing import Any
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "seed")
+PROCESSOR_KEYS = ("repetition_penalty", "min_new_tokens")
 
 TokenPair = tuple[list[int], list[int]]
 
@@ -49,8 +50,9 @@ class GenerationSettings:
     Attributes:
         max_new_tokens: the request's `max_gen_toks` (or an alias: `max_new_tokens`, `max_tokens`, ...).
         until: the stop sequences, the end-of-text string last unless the task listed it.
-        sampling: `add_request` keyword arguments: `do_sample`, and when sampling `temperature`, `top_k`,
-            `top_p` and `seed` as given.
+        sampling: `add_request` keyword arguments: `do_sample`, `repetition_penalty` and `min_new_tokens` as
+            given (`generate` applies them greedy or not), and when sampling `temperature`, `top_k`, `top_p`,
+            `min_p` and `seed` as given.
     """
 
     max_new_tokens: int
@@ -71,14 +73,15 @@ def generation_settings(gen_kwargs: dict[str, Any], eos: str | None, default_max
     kwargs = dict(normalize_gen_kwargs(gen_kwargs, default_max_gen_toks))
     until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
     max_new_tokens = int(kwargs.pop("max_gen_toks"))
-    unknown = sorted(set(kwargs) - set(SAMPLING_KEYS))
+    unknown = sorted(set(kwargs) - set(SAMPLING_KEYS) - set(PROCESSOR_KEYS))
     if unknown:
         raise ValueError(f"generation kwargs {unknown} are not supported by the contbatch backend (supported: "
-                         f"until, max_gen_toks and its aliases, {', '.join(SAMPLING_KEYS)})")
+                         f"until, max_gen_toks and its aliases, {', '.join(SAMPLING_KEYS + PROCESSOR_KEYS)})")
     if max_new_tokens < 0:
         raise ValueError(f"max_gen_toks must be >= 0, got {max_new_tokens}")
     do_sample = bool(kwargs.pop("do_sample"))
     sampling: dict[str, Any] = {"do_sample": do_sample}
+    sampling.update({key: kwargs.pop(key) for key in PROCESSOR_KEYS if kwargs.get(key) is not None})
     if do_sample:
         sampling.update({key: value for key, value in kwargs.items() if value is not None})
     return GenerationSettings(max_new_tokens, [stop for stop in until if stop], sampling)

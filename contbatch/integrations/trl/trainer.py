@@ -19,7 +19,8 @@ from trl import GRPOTrainer
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, RequestStatus
 
-GENERATION_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "eos_token_id", "seed")
+GENERATION_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "min_tokens", "eos_token_id", "seed")
 
 
 class ContbatchGRPOTrainer(GRPOTrainer):
@@ -36,9 +37,9 @@ class ContbatchGRPOTrainer(GRPOTrainer):
     the completion ids and, per token, the log-probability of the distribution the token was sampled from
     (temperature, top-k and top-p applied: contbatch's "processed" logprobs), which TRL stores as
     `sampling_per_token_logps` for its off-policy mask. Multimodal models, `use_vllm`,
-    `use_transformers_continuous_batching`, prompt-learning PEFT adapters, `min_p`, `repetition_penalty` and
-    `generation_kwargs` keys outside `GENERATION_KWARGS` are refused at construction with a ValueError naming
-    them.
+    `use_transformers_continuous_batching`, prompt-learning PEFT adapters and `generation_kwargs` keys outside
+    `GENERATION_KWARGS` are refused at construction with a ValueError naming them. `min_p` and
+    `repetition_penalty` apply as in TRL's `generate` path (the processed logprobs then include them).
     """
 
     def __init__(self, *args: Any, contbatch_config: ContinuousBatchingConfig | None = None,
@@ -91,6 +92,7 @@ class ContbatchGRPOTrainer(GRPOTrainer):
     def _sampling(self) -> dict[str, Any]:
         """The per-request sampling settings: TRL's, then `args.generation_kwargs` (keys in `GENERATION_KWARGS`)."""
         sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or 0,
+                    "min_p": self.min_p or 0.0, "repetition_penalty": self.repetition_penalty,
                     "eos_token_id": list(self.eos_token_ids)}
         sampling.update(self.args.generation_kwargs or {})
         return {**sampling, "logprobs": True, "logprobs_mode": "processed"}
@@ -136,10 +138,6 @@ def _check_supported(trainer: GRPOTrainer) -> None:
     refused = [name for name in ("use_vllm", "use_transformers_continuous_batching") if getattr(trainer, name)]
     refused += [f"generation_kwargs[{key!r}]" for key in trainer.args.generation_kwargs or {}
                 if key not in GENERATION_KWARGS]
-    if trainer.min_p:
-        refused.append(f"min_p={trainer.min_p!r}")
-    if trainer.repetition_penalty != 1.0:
-        refused.append(f"repetition_penalty={trainer.repetition_penalty!r}")
     if getattr(trainer, "_is_vlm", False):
         refused.append("a multimodal model")
     if refused:
