@@ -10,6 +10,7 @@ from contbatch.api import (
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.engine import LLMEngine
 from contbatch.engine.sampling_params import SamplingParams
+from contbatch.engine.structured import StructuredOutput
 from contbatch.frontend.async_client import AsyncClient, ChoiceOutput
 from contbatch.frontend.client import EngineClient
 from contbatch.manager import ContinuousBatchingManager
@@ -27,6 +28,7 @@ __all__ = [
     "LLMEngine",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutput",
     "add_continuous_batching",
     "continuous_batching_context_manager",
     "generate_batch",

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.engine.structured import StructuredOutput
 from contbatch.frontend.output_processor import RequestIds
 from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, RequestStatus
@@ -27,6 +28,8 @@ def generate_batch(
     record_timestamps: bool = False,
     progress_bar: bool = True,
     persistent_manager: bool = False,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    structured_output: StructuredOutput | Sequence[StructuredOutput | None] | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generates for every prompt of `inputs` (lists of token ids) with continuous batching.
@@ -48,7 +51,9 @@ def generate_batch(
     `persistent_manager=True` the manager (and its cache) stays attached to the model as `model._contbatch_manager`
     and is reused by the next call with the same configuration; its `sleep()` gives the cache's memory back until
     that call (e.g. while an RL trainer trains). Either way the model gets its own attention implementation back before
-    this returns.
+    this returns. `structured_output` constrains every prompt's output (one `StructuredOutput`) or each prompt's
+    (a sequence with one entry, or None, per prompt) and needs the model's `tokenizer`; an invalid grammar fails
+    its prompt's outputs like any bad prompt.
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     unknown = set(kwargs) - set(ContinuousBatchingConfig.field_names())
@@ -57,37 +62,51 @@ def generate_batch(
     generation_config = generation_config or model.generation_config
     sources = (kwargs,) if continuous_batching_config else (generation_config, kwargs)
     config = ContinuousBatchingConfig.from_sources(continuous_batching_config, *sources)
-    manager = _manager_for(model, generation_config, config)
+    constraints = _per_prompt(structured_output, len(inputs))
+    manager = _manager_for(model, generation_config, config, tokenizer)
     manager.start()
     try:
-        return _run(manager, inputs, max_new_tokens, record_timestamps, progress_bar)
+        return _run(manager, inputs, max_new_tokens, record_timestamps, progress_bar, constraints)
     finally:
         manager.stop(keep_for_next_session=persistent_manager)
         if persistent_manager:
             setattr(model, _MANAGER_ATTRIBUTE, manager)
 
 
-def _manager_for(model: PreTrainedModel, generation_config: GenerationConfig,
-                 config: ContinuousBatchingConfig) -> ContinuousBatchingManager:
+def _per_prompt(structured_output: StructuredOutput | Sequence[StructuredOutput | None] | None,
+                count: int) -> list[StructuredOutput | None]:
+    if structured_output is None or isinstance(structured_output, StructuredOutput):
+        return [structured_output] * count
+    constraints = list(structured_output)
+    if len(constraints) != count:
+        raise ValueError(f"structured_output has {len(constraints)} entries for {count} prompts")
+    return constraints
+
+
+def _manager_for(model: PreTrainedModel, generation_config: GenerationConfig, config: ContinuousBatchingConfig,
+                 tokenizer: PreTrainedTokenizerBase | None) -> ContinuousBatchingManager:
     manager: ContinuousBatchingManager | None = getattr(model, _MANAGER_ATTRIBUTE, None)
     if manager is not None:
         delattr(model, _MANAGER_ATTRIBUTE)
-        if manager.config == config and manager.generation_config == generation_config:
+        if (manager.config == config and manager.generation_config == generation_config
+                and manager.tokenizer is tokenizer):
             return manager
         manager.stop()
-    return ContinuousBatchingManager(model, generation_config, config)
+    return ContinuousBatchingManager(model, generation_config, config, tokenizer=tokenizer)
 
 
 def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], max_new_tokens: int | None,
-         record_timestamps: bool, progress_bar: bool) -> dict[str, GenerationOutput]:
+         record_timestamps: bool, progress_bar: bool,
+         constraints: list[StructuredOutput | None]) -> dict[str, GenerationOutput]:
     n = manager.generation_config.num_return_sequences or 1
     prompt_ids = [RequestIds.numbered(index) for index in range(len(inputs))]
     request_ids = [rid for prompt_id in prompt_ids for rid in RequestIds.samples(prompt_id, n)]
     outputs: dict[str, GenerationOutput] = {}
     with tqdm(total=len(request_ids), desc="generate_batch", unit="req", disable=not progress_bar) as bar:
-        for prompt_id, prompt in zip(prompt_ids, inputs, strict=True):
+        for prompt_id, prompt, constraint in zip(prompt_ids, inputs, constraints, strict=True):
             try:
-                manager.add_request(prompt, prompt_id, max_new_tokens, record_timestamps=record_timestamps, n=n)
+                manager.add_request(prompt, prompt_id, max_new_tokens, record_timestamps=record_timestamps, n=n,
+                                    structured_output=constraint)
             except ValueError as error:
                 for request_id in RequestIds.samples(prompt_id, n):
                     outputs[request_id] = _failed_output(request_id, prompt, str(error))

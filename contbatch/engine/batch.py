@@ -10,17 +10,19 @@ import torch
 
 from contbatch.engine.logits_processors import TokenHistory
 from contbatch.engine.sampling_params import SamplingParams
+from contbatch.engine.structured import GrammarMatcher
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingTarget:
     """A request that samples a token from a row of this step's logits, with its tokens so far (a live view:
-    read it during the step only)."""
+    read it during the step only) and, for a structured output, its grammar matcher (engine thread only)."""
 
     request_id: str
     params: SamplingParams
     generator: torch.Generator | None
     history: TokenHistory | None = None
+    matcher: GrammarMatcher | None = None
 
 
 class PromptLogprobsTask(NamedTuple):

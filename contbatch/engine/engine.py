@@ -3,18 +3,19 @@ everything else (the engine thread, the clients, the server) wraps it."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contbatch.engine.batch import ScheduledRequest
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.compile import compile_paths
 from contbatch.engine.config import ContinuousBatchingConfig
-from contbatch.engine.generation_config import check_supported, resolve_generation_config
+from contbatch.engine.generation_config import as_ids, check_supported, resolve_generation_config
 from contbatch.engine.kv_cache import (
     KVCacheSpec,
     PagedKVCache,
@@ -28,6 +29,7 @@ from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
+from contbatch.engine.structured import GrammarCompiler
 from contbatch.engine.weights import WeightsFingerprint
 
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
@@ -55,8 +57,13 @@ class LLMEngine:
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
         config: ContinuousBatchingConfig | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
+        """`tokenizer`: the model's, needed only by structured outputs (`SamplingParams.structured_output`)."""
         self.config = config or ContinuousBatchingConfig()
+        self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.generation_config = resolve_generation_config(generation_config, model.generation_config)
         check_supported(self.generation_config)
         device = next(model.parameters()).device
@@ -145,9 +152,28 @@ class LLMEngine:
             params = replace(params, logprobs=True)
         self._check_lengths(request_id, len(prompt), params)
         request = Request(request_id, prompt, params)
+        if params.structured_output is not None:
+            try:
+                request.matcher = self.grammar_compiler().matcher(params.structured_output)
+            except ValueError as error:
+                raise ValueError(f"request {request_id!r}: {error}") from None
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         return request
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's compiler of structured outputs, made on first use from its tokenizer, with the
+        generation config's EOS ids and the tokenizer's as the grammars' stop tokens. Raises ValueError when the
+        engine has no tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer: pass tokenizer= to the "
+                                     "engine, manager or generate_batch")
+                eos = self.generation_config.eos_token_id
+                stops = [*as_ids(eos), *as_ids(self.tokenizer.eos_token_id)]
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, stops)
+            return self._grammars
 
     def add(self, request: Request) -> None:
         """Queues a request made by `make_request`, waking the engine if it sleeps. Raises ValueError if its id

@@ -14,11 +14,12 @@ from contbatch.engine.attention import (
     register_paged_attention,
     remember_own_attention,
 )
-from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
+from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.sampler import Sampler
+from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
 LOG_SOFTMAX_ROWS = 256
 
@@ -102,6 +103,7 @@ class ModelRunner:
             logits = logits[torch.tensor(scheduler_output.sampling_rows, device=logits.device)]
         if logits_mask is not None:
             logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
+        logits = _apply_grammars(logits, targets)
         sampled = self.sampler.sample(logits, [t.params for t in targets], [t.generator for t in targets],
                                       [t.history for t in targets] if any(t.history for t in targets) else None)
         top = None
@@ -158,6 +160,19 @@ class ModelRunner:
         ])
         return (torch.tensor(token_ids, device=self.device), positions.to(self.device),
                 logits_indices.to(self.device), metadata)
+
+
+def _apply_grammars(logits: torch.Tensor, targets: list[SamplingTarget]) -> torch.Tensor:
+    """`logits` with -inf at every token the grammar of a structured target does not allow next (a copy when
+    any target has a grammar: the forward's logits are left as they are)."""
+    rows = [row for row, target in enumerate(targets) if target.matcher is not None]
+    if not rows:
+        return logits
+    matchers = [targets[row].matcher for row in rows]
+    bitmask = fill_bitmasks([m for m in matchers if m is not None], logits.shape[1])
+    logits = logits.clone()
+    apply_bitmask(logits, bitmask, rows)
+    return logits
 
 
 def _prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from contbatch.engine.batch import SamplingTarget
 from contbatch.engine.logits_processors import TokenHistory
 from contbatch.engine.sampling_params import SamplingParams
+from contbatch.engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +67,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     leader: Request | None = None
     num_prompt_logprobs: int = 0
+    matcher: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -130,13 +132,16 @@ class Request:
     def sampling_target(self) -> SamplingTarget:
         """How this request samples (its parameters and generator never change)."""
         return SamplingTarget(self.request_id, self.params, self.generator,
-                              TokenHistory(self.token_ids, self.num_prompt_tokens))
+                              TokenHistory(self.token_ids, self.num_prompt_tokens), self.matcher)
 
     def append_token(self, token_id: int) -> None:
-        """Records a sampled token and finishes the request if it is a stop token (`SamplingParams.stop_ids`)
-        or the last one allowed."""
+        """Records a sampled token and finishes the request if it is a stop token (`SamplingParams.stop_ids`),
+        completes its grammar, or is the last one allowed. A token its grammar rejects (which sampling never
+        picks) fails the request."""
         self.token_ids.append(token_id)
-        if token_id in self.params.stop_ids:
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            self.finish(RequestStatus.FAILED, "error", f"the grammar does not allow token {token_id} here")
+        elif token_id in self.params.stop_ids or (self.matcher is not None and self.matcher.is_terminated()):
             self.finish(RequestStatus.FINISHED, "stop")
         elif self.num_generated_tokens >= self.params.max_new_tokens:
             self.finish(RequestStatus.FINISHED, "length")

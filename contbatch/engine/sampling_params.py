@@ -10,11 +10,12 @@ from typing import Any
 from transformers import GenerationConfig
 
 from contbatch.engine.generation_config import as_ids, config_fields, max_new_tokens_for, min_new_tokens_for
+from contbatch.engine.structured import StructuredOutput
 
 OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "min_tokens", "eos_token_ids",
                "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "logit_bias", "bad_words_ids", "suppress_tokens", "seed", "logprobs", "top_logprobs", "logprobs_mode",
-               "prompt_logprobs", "prompt_logprobs_start")
+               "logit_bias", "bad_words_ids", "suppress_tokens", "structured_output", "seed", "logprobs",
+               "top_logprobs", "logprobs_mode", "prompt_logprobs", "prompt_logprobs_start")
 _ALIASES = {"eos_token_id": "eos_token_ids", "min_new_tokens": "min_tokens"}
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_MODES = ("raw", "processed")
@@ -50,6 +51,10 @@ class SamplingParams:
         bad_words_ids: `generate`'s: token sequences that may never be generated (a one-token sequence that is
             an EOS id is ignored, as `generate` does).
         suppress_tokens: tokens that are never generated.
+        structured_output: a grammar the output must follow (JSON schema, any JSON object, regex or a choice of
+            strings: see `StructuredOutput`); a dict of its fields is accepted. Tokens the grammar does not allow
+            next have probability 0, and the request stops (reason "stop") once the grammar is complete and
+            nothing else may follow. Needs the engine's tokenizer.
         seed: when set, the request samples from its own generator seeded with it, so its tokens do not
             depend on the rest of the batch.
         logprobs: record the log-probability of each chosen token, under the distribution `logprobs_mode` names.
@@ -92,6 +97,7 @@ class SamplingParams:
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     suppress_tokens: tuple[int, ...] = ()
+    structured_output: StructuredOutput | None = None
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -118,6 +124,8 @@ class SamplingParams:
             for token_id in getattr(self, name):
                 _check_int(name, token_id, minimum=0)
         _check_biases(self.logit_bias, self.sequence_bias, self.bad_words_ids)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         self._check_logprobs()
@@ -207,6 +215,11 @@ def _normalise(overrides: dict[str, Any]) -> dict[str, Any]:
             given[name] = as_ids(given[name])
     if "logit_bias" in given:
         given["logit_bias"] = _as_bias(given["logit_bias"])
+    if isinstance(given.get("structured_output"), dict):
+        try:
+            given["structured_output"] = StructuredOutput(**given["structured_output"])
+        except TypeError as error:
+            raise ValueError(f"structured_output: {error}") from None
     if "bad_words_ids" in given:
         given["bad_words_ids"] = tuple(tuple(seq) for seq in given["bad_words_ids"])
     return given

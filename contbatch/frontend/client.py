@@ -41,12 +41,13 @@ class EngineClient:
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         """`queue_timeout`: how long `add_request` waits for room when `max_queue_size` requests are waiting.
-        `tokenizer`: needed for text outputs and stop strings (`add_request(detokenize=True, stop=...)`)."""
+        `tokenizer`: needed for text outputs, stop strings (`add_request(detokenize=True, stop=...)`) and
+        structured outputs (`add_request(structured_output=...)`)."""
         self.model = model
         self.generation_config = generation_config or model.generation_config
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.tokenizer = tokenizer
-        self._loop = EngineLoop(lambda: LLMEngine(self.model, self.generation_config, self.config),
+        self._loop = EngineLoop(lambda: LLMEngine(self.model, self.generation_config, self.config, self.tokenizer),
                                 self.config.max_queue_size, queue_timeout)
         self._ids = RequestIds()
 
