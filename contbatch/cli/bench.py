@@ -31,14 +31,15 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="Python of the environment holding vLLM for --engines vllm (default: "
                        "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
-    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo", "grpo-trl", "eval"],
+    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured"],
                        default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
                        "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
                        "temperature 1.0, vs transformers' generate_batch; grpo-trl: TRL GRPO training steps of N "
                        "prompts x --samples generations, ContbatchGRPOTrainer vs TRL's transformers-CB and generate "
                        "paths (extra `trl`); eval: the shipped lm-eval tasks (first N documents each) through the "
-                       "contbatch backend and lm-eval's hf backend (extra `eval`)")
+                       "contbatch backend and lm-eval's hf backend (extra `eval`); structured: N GSM8K prompts "
+                       "asking for a JSON answer, with and without the JSON schema enforced (extra `structured`)")
     bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
     bench.add_argument("--grpo-steps", type=int, default=3,
                        help="--workload grpo-trl: optimizer steps per trainer (the first is a warm-up)")
@@ -125,8 +126,9 @@ def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTraine
 
 
 def _bench_workload(args: argparse.Namespace) -> int:
-    """Run `contbatch bench --workload prefix|grpo`: print (and with `--output` write) the workload's table."""
-    from contbatch.bench import throughput, workloads
+    """Run `contbatch bench --workload prefix|grpo|structured`: print (and with `--output` write) the workload's
+    table."""
+    from contbatch.bench import structured, throughput, workloads
     from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
     from contbatch.data.prompts import chat_inputs, load_prompts
 
@@ -140,6 +142,14 @@ def _bench_workload(args: argparse.Namespace) -> int:
                  for result, computed in runs]
         title = (f"{len(inputs)} GSM8K prompts behind one system prompt ({sum(map(len, inputs))} prompt tokens), "
                  f"greedy, max_new_tokens={args.max_new_tokens}")
+    elif args.workload == "structured":
+        inputs = structured.json_inputs(tokenizer, args.num_prompts)
+        runs = structured.run_structured(model, tokenizer, inputs, args.max_new_tokens, eos, engine_config(args))
+        results = [result for result, _ in runs]
+        lines = [f"valid JSON answers, {result.engine} (run {index // 2 + 1}): {valid} of {len(inputs)}"
+                 for index, (result, valid) in enumerate(runs)]
+        title = (f"{len(inputs)} GSM8K prompts asking for a JSON answer ({sum(map(len, inputs))} prompt tokens), "
+                 f"greedy, max_new_tokens={args.max_new_tokens}, runs interleaved")
     else:
         inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
         peers = "transformers" in args.engines

@@ -1,0 +1,65 @@
+"""The cost of structured outputs: the same GSM8K prompts, asking for a JSON answer, generated with and without
+a JSON schema enforced, runs interleaved in one process."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from contbatch import ContinuousBatchingConfig, StructuredOutput
+from contbatch.api import generate_batch
+from contbatch.bench.throughput import BenchResult
+from contbatch.data.prompts import as_token_ids, load_prompts
+
+ANSWER_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["reasoning", "answer"],
+    "properties": {"reasoning": {"type": "string", "maxLength": 600}, "answer": {"type": "number"}},
+}
+JSON_INSTRUCTION = ('Solve the problem. Reply with one JSON object and nothing else: {"reasoning": "<your steps>", '
+                    '"answer": <the final number>}.')
+
+
+def json_inputs(tokenizer: PreTrainedTokenizerBase, num_requests: int) -> list[list[int]]:
+    """GSM8K questions with a system prompt asking for a JSON answer, chat-templated."""
+    inputs = []
+    for question in load_prompts(limit=num_requests):
+        messages = [{"role": "system", "content": JSON_INSTRUCTION}, {"role": "user", "content": question}]
+        inputs.append(as_token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+    return inputs
+
+
+def is_answer(text: str) -> bool:
+    """Whether `text` is a JSON object with a string `reasoning` and a numeric `answer` and nothing else."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == {"reasoning", "answer"} and isinstance(value["reasoning"], str)
+            and isinstance(value["answer"], (int, float)) and not isinstance(value["answer"], bool))
+
+
+def run_structured(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, inputs: list[list[int]],
+                   max_new_tokens: int, eos: int | list[int], config: ContinuousBatchingConfig,
+                   rounds: int = 2) -> list[tuple[BenchResult, int]]:
+    """`rounds` runs of each setting, off then on, interleaved (after one untimed warm-up of each); every result
+    with how many of its outputs are valid answers (`is_answer`)."""
+    generation = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    schema = StructuredOutput(json_schema=ANSWER_SCHEMA)
+    for constraint in (None, schema):
+        generate_batch(model, inputs[:2], generation, config, progress_bar=False, max_new_tokens=4,
+                       tokenizer=tokenizer, structured_output=constraint)
+    results = []
+    for _ in range(rounds):
+        for constraint in (None, schema):
+            start = time.perf_counter()
+            outputs = generate_batch(model, inputs, generation, config, progress_bar=False, tokenizer=tokenizer,
+                                     structured_output=constraint)
+            wall = time.perf_counter() - start
+            texts = [tokenizer.decode(o.generated_tokens, skip_special_tokens=True) for o in outputs.values()]
+            name = f"contbatch, JSON schema {'enforced' if constraint else 'off'}"
+            result = BenchResult(name, wall, sum(len(o.generated_tokens) for o in outputs.values()),
+                                 sum(map(len, inputs)))
+            results.append((result, sum(is_answer(text) for text in texts)))
+    return results
