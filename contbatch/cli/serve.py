@@ -7,6 +7,7 @@ from pathlib import Path
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.cli.common import add_engine_flags, engine_config
+from contbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -19,6 +20,12 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-queue-size", type=int, default=0, help="bound on waiting requests (0: none)")
     serve.add_argument("--continuous-batching", action="store_true",
                        help="accepted for compatibility with `transformers serve`; always on")
+    serve.add_argument("--tool-call-parser", default="auto", choices=sorted(TOOL_PARSERS),
+                       help="how chat replies' tool calls are parsed: 'hermes' (<tool_call>{json}</tool_call>), "
+                            "'transformers' (the tokenizer's response_template), or 'auto' (the template when the "
+                            "tokenizer has one, else hermes)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for compatibility with `vllm serve`; tool_choice='auto' is always enabled")
     add_engine_flags(serve)
 
 
@@ -38,8 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
                                         tokenizer=tokenizer)
     manager.start()
     try:
-        uvicorn.run(create_app(manager, tokenizer, name, args.api_key, args.max_body_bytes), host=args.host,
-                    port=args.port, log_level="info")
+        app = create_app(manager, tokenizer, name, args.api_key, args.max_body_bytes, args.tool_call_parser)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         manager.stop()
     return 0

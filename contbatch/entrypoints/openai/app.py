@@ -14,6 +14,8 @@ from contbatch.entrypoints.openai import chat, completions, models, tokenization
 from contbatch.entrypoints.openai.metrics import ServerMetrics
 from contbatch.entrypoints.openai.protocol import APIError
 from contbatch.entrypoints.openai.serving import ServerState
+from contbatch.entrypoints.openai.tool_parsers import check_tool_parser
+from contbatch.entrypoints.openai.tools import TemplateSupport
 from contbatch.frontend.async_client import AsyncClient
 from contbatch.frontend.client import EngineClient
 
@@ -21,15 +23,19 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 def create_app(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, model_name: str,
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               tool_call_parser: str = "auto") -> FastAPI:
     """The app serving `engine` (a started `ContinuousBatchingManager`, say) under the model id `model_name`.
     Requests are tokenized and outputs detokenized with `tokenizer` (which becomes the client's tokenizer if it
-    has none). With `api_key`, every /v1 route requires `Authorization: Bearer <api_key>`."""
+    has none). With `api_key`, every /v1 route requires `Authorization: Bearer <api_key>`. `tool_call_parser`
+    names the parser of chat replies' tool calls (see `tool_parsers.TOOL_PARSERS`); an unknown name, or
+    "transformers" for a tokenizer without a response template, raises ValueError."""
+    check_tool_parser(tool_call_parser, tokenizer)
     if engine.tokenizer is None:
         engine.tokenizer = tokenizer
     app = FastAPI(title="contbatch", version="0.1.0")
     app.state.contbatch = ServerState(engine, AsyncClient(engine), tokenizer, model_name, api_key, max_body_bytes,
-                                      ServerMetrics(engine))
+                                      ServerMetrics(engine), tool_call_parser, TemplateSupport.probe(tokenizer))
     app.middleware("http")(_guard)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from contbatch.engine.sampling_params import MAX_TOP_LOGPROBS
 
@@ -14,6 +14,27 @@ LOGPROB_FLOOR = -9999.0
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema under `schema` (a JSON schema object)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`. `type` is checked by the route (another value is a 400)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -38,6 +59,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs_mode: str | None = None
+    response_format: ResponseFormat | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -61,18 +83,93 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = Field(default=None, ge=0)
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content list; only `{"type": "text", "text": ...}` parts can be rendered."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    """A called function: `arguments` is OpenAI's JSON string (a JSON object is accepted too)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A message of the history. `content` is a string, a list of text parts, or None (only for an assistant
+    message with `tool_calls`); a `tool` message answers the call `tool_call_id`."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             "omit it)")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    """A function tool: `parameters` is the JSON schema of its arguments (an object)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the function the reply must call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
+    """A /v1/chat/completions body. `tools` are OpenAI function tools; `tool_choice` is "none", "auto" (the
+    default with tools), "required" or a `NamedToolChoice` (another string is a 400, checked by the route);
+    `parallel_tool_calls=False` allows at most one call per reply."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):

@@ -8,18 +8,24 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from contbatch.entrypoints.openai.chat_output import ChoiceShaper, ShaperFactory
 from contbatch.entrypoints.openai.formatting import ChoiceDelta, Echo, Formatter, usage
 from contbatch.entrypoints.openai.metrics import ServerMetrics
 from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR, APIError, SamplingFields
 from contbatch.frontend.async_client import AsyncClient, ChoiceOutput, GenerationStream
 from contbatch.frontend.client import EngineClient
 from contbatch.outputs import RequestStatus
+
+if TYPE_CHECKING:
+    from contbatch.engine.engine import LLMEngine
+    from contbatch.engine.structured import StructuredOutput
+    from contbatch.entrypoints.openai.tools import TemplateSupport
 
 DISCONNECT_POLL_SECONDS = 0.5
 
@@ -35,6 +41,8 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     metrics: ServerMetrics
+    tool_call_parser: str = "auto"
+    template_support: TemplateSupport | None = None
 
 
 def server_state(request: Request) -> ServerState:
@@ -52,7 +60,9 @@ class GenerationRequest:
     """One API call's generation, in engine terms: each prompt of `prompts` runs `n` samples, choice
     `prompt_index * n + sample_index`. `echo` prepends each prompt to its choices: its text (`prompt_texts[i]`
     when the prompts came as text, else its ids decoded with special tokens) and, with `logprobs`, its tokens'
-    entries, from the engine's prompt logprobs (`prompt_logprobs=top_logprobs`)."""
+    entries, from the engine's prompt logprobs (`prompt_logprobs=top_logprobs`). `structured_output` constrains
+    every choice (the engine's sampling keyword of that name; None: unconstrained); the engine rejecting it is a
+    400 naming `constraint_param`, the request field it comes from."""
 
     request_id: str
     prompts: list[list[int]]
@@ -63,6 +73,8 @@ class GenerationRequest:
     echo: bool = False
     prompt_texts: list[str] | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
+    constraint_param: str = "response_format"
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -122,8 +134,10 @@ class Choices:
         self.cancel()
 
 
-async def respond(state: ServerState, http: Request, body: SamplingFields, call: GenerationRequest) -> Response:
-    """Runs `call` and answers it (SSE when `body.stream`). A client that disconnects has its choices cancelled."""
+async def respond(state: ServerState, http: Request, body: SamplingFields, call: GenerationRequest,
+                  shaping: ShaperFactory | None = None) -> Response:
+    """Runs `call` and answers it (SSE when `body.stream`). A client that disconnects has its choices cancelled.
+    With `shaping` (chat only), each choice's message or deltas come from its own `shaping()` shaper."""
     choices = _submit(state, body, call)
     echo = None
     if call.echo:
@@ -133,9 +147,9 @@ async def respond(state: ServerState, http: Request, body: SamplingFields, call:
     prompt_tokens = sum(len(prompt) for prompt in call.prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_events(choices, formatter, prompt_tokens, include_usage, state.metrics),
+        return StreamingResponse(_events(choices, formatter, prompt_tokens, include_usage, state.metrics, shaping),
                                  media_type="text/event-stream")
-    collecting = asyncio.ensure_future(_collect(choices, formatter, prompt_tokens, state.metrics))
+    collecting = asyncio.ensure_future(_collect(choices, formatter, prompt_tokens, state.metrics, shaping))
     while not collecting.done():
         await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
         if not collecting.done() and await http.is_disconnected():
@@ -145,17 +159,31 @@ async def respond(state: ServerState, http: Request, body: SamplingFields, call:
     return JSONResponse(collecting.result())
 
 
-def _sampling(body: SamplingFields, call: GenerationRequest) -> dict[str, Any]:
+def _sampling(body: SamplingFields, call: GenerationRequest, default_top_k: int | None = 0) -> dict[str, Any]:
+    """The engine's sampling keywords of a call. Unset fields keep OpenAI's defaults, not transformers' global
+    ones: temperature 1.0, and `top_k` is `default_top_k` (0, no top-k, unless the model's generation config
+    sets one: then None, which the engine resolves to it). `structured_output` is passed only when set."""
     temperature = 1.0 if body.temperature is None else body.temperature
-    return {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
-            "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "logprobs": call.logprobs,
-            "top_logprobs": call.top_logprobs, "logprobs_mode": body.logprobs_mode,
-            "prompt_logprobs": call.engine_prompt_logprobs}
+    sampling = {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
+                "top_p": body.top_p, "top_k": default_top_k if body.top_k is None else body.top_k,
+                "seed": body.seed, "logprobs": call.logprobs, "top_logprobs": call.top_logprobs,
+                "logprobs_mode": body.logprobs_mode, "prompt_logprobs": call.engine_prompt_logprobs}
+    if call.structured_output is not None:
+        sampling["structured_output"] = call.structured_output
+    return sampling
+
+
+def _default_top_k(state: ServerState) -> int | None:
+    """None when the client's generation config or the model's own sets `top_k` (the engine then resolves it to
+    that value), else 0: the engine's resolved config always holds transformers' global default of 50, which
+    OpenAI requests must not get."""
+    configs = (state.client.generation_config, state.client.model.generation_config)
+    return None if any(getattr(config, "top_k", None) is not None for config in configs) else 0
 
 
 def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -> Choices:
     """Checks every prompt, then submits them all (or none: a failure cancels those already submitted)."""
-    sampling = _sampling(body, call)
+    sampling = _sampling(body, call, _default_top_k(state))
     _validate(state, call, sampling)
     streams: list[GenerationStream] = []
     try:
@@ -176,7 +204,8 @@ def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -
 
 def _validate(state: ServerState, call: GenerationRequest, sampling: dict[str, Any]) -> None:
     """Checks every prompt as the engine will (`make_request`, which queues nothing) before any is submitted, so
-    a bad prompt of a list is answered 400 naming its index and no prompt of the list runs."""
+    a bad prompt of a list is answered 400 naming its index and no prompt of the list runs. An error that goes
+    away without the structured output is blamed on the constraint's field."""
     try:
         engine = state.client.engine
     except RuntimeError as error:
@@ -185,7 +214,21 @@ def _validate(state: ServerState, call: GenerationRequest, sampling: dict[str, A
         try:
             engine.make_request(prompt, call.prompt_request_id(index), call.max_tokens, **sampling)
         except ValueError as error:
-            raise APIError(400, _named(call, index, error), code="invalid_request", param="prompt") from None
+            param = _blamed_field(engine, call, index, sampling)
+            raise APIError(400, _named(call, index, error), code="invalid_request", param=param) from None
+
+
+def _blamed_field(engine: LLMEngine, call: GenerationRequest, index: int, sampling: dict[str, Any]) -> str:
+    """The request field to name for prompt `index`'s error: the constraint's when the prompt passes without
+    it, else "prompt"."""
+    if "structured_output" not in sampling:
+        return "prompt"
+    unconstrained = {key: value for key, value in sampling.items() if key != "structured_output"}
+    try:
+        engine.make_request(call.prompts[index], call.prompt_request_id(index), call.max_tokens, **unconstrained)
+    except ValueError:
+        return "prompt"
+    return call.constraint_param
 
 
 def _named(call: GenerationRequest, index: int, error: ValueError) -> str:
@@ -225,8 +268,8 @@ def _finite(delta: ChoiceDelta) -> ChoiceDelta:
         top_logprobs=[[(i, max(lp, LOGPROB_FLOOR)) for i, lp in top] for top in delta.top_logprobs])
 
 
-async def _collect(stream: Choices, formatter: Formatter, prompt_tokens: int,
-                   metrics: ServerMetrics) -> dict[str, Any]:
+async def _collect(stream: Choices, formatter: Formatter, prompt_tokens: int, metrics: ServerMetrics,
+                   shaping: ShaperFactory | None = None) -> dict[str, Any]:
     choices: dict[int, dict[str, Any]] = {}
     generated = 0
     async for delta in _deltas(stream, metrics):
@@ -235,13 +278,20 @@ async def _collect(stream: Choices, formatter: Formatter, prompt_tokens: int,
         formatter.extend(choices[delta.index], delta)
         if delta.finish_reason is not None:
             generated += delta.num_generated
-    return formatter.response([choices[i] for i in sorted(choices)], prompt_tokens, generated)
+    response = formatter.response([choices[i] for i in sorted(choices)], prompt_tokens, generated)
+    if shaping is not None:
+        for choice in response["choices"]:
+            shaper = shaping()
+            choice["message"] = shaper.message(choice["message"]["content"])
+            choice["finish_reason"] = shaper.finish_reason(choice["finish_reason"])
+    return response
 
 
 async def _events(stream: Choices, formatter: Formatter, prompt_tokens: int, include_usage: bool,
-                  metrics: ServerMetrics) -> AsyncIterator[str]:
+                  metrics: ServerMetrics, shaping: ShaperFactory | None = None) -> AsyncIterator[str]:
     generated = 0
     started: set[int] = set()
+    shapers: dict[int, ChoiceShaper] = {}
     if formatter.chat:
         for index in range(len(stream)):
             yield _event(formatter.chunk(index, {"role": "assistant", "content": ""}, None, None))
@@ -251,13 +301,30 @@ async def _events(stream: Choices, formatter: Formatter, prompt_tokens: int, inc
             started.add(delta.index)
             if delta.finish_reason is not None:
                 generated += delta.num_generated
-            if delta.text or delta.finish_reason is not None or (first and formatter.has_prompt_part):
+            if shaping is not None:
+                chunk = _shaped_chunk(formatter, delta, shapers.setdefault(delta.index, shaping()))
+                if chunk is not None:
+                    yield _event(chunk)
+            elif delta.text or delta.finish_reason is not None or (first and formatter.has_prompt_part):
                 yield _event(formatter.delta_chunk(delta, first))
     except APIError as error:
         yield _event(error.body())
     if include_usage:
         yield _event({**formatter.header(chunk=True), "choices": [], "usage": usage(prompt_tokens, generated)})
     yield "data: [DONE]\n\n"
+
+
+def _shaped_chunk(formatter: Formatter, delta: ChoiceDelta, shaper: ChoiceShaper) -> dict[str, Any] | None:
+    """The chunk of `delta` with the fields `shaper` makes of its text; None when it carries nothing (no
+    fields, no finish reason, no logprobs)."""
+    fields = shaper.delta(delta.text, delta.finish_reason is not None)
+    reason = shaper.finish_reason(delta.finish_reason)
+    chunk = formatter.delta_chunk(delta)
+    choice = chunk["choices"][0]
+    if not fields and reason is None and not (choice["logprobs"] and delta.token_ids):
+        return None
+    choice["delta"], choice["finish_reason"] = fields, reason
+    return chunk
 
 
 def _event(payload: dict[str, Any]) -> str:
