@@ -44,6 +44,8 @@ class GenerationOutput:
             first token); all n samples of a prompt carry the same. Such a request computes its whole
             prompt, taking nothing from the prefix cache (`num_cached_tokens` stays 0, except for the samples
             forked from it). None when not asked for.
+        sequence_score: for a beam search output (`num_beams > 1`), its score as `generate` reports it in
+            `sequences_scores`; None otherwise.
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class GenerationOutput:
     new_text: str = ""
     weights_version: int = 0
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    sequence_score: float | None = None
 
     def is_finished(self) -> bool:
         return self.status.is_finished

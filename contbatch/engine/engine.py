@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contbatch.engine.batch import ScheduledRequest
+from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.compile import compile_paths
 from contbatch.engine.config import ContinuousBatchingConfig
@@ -85,6 +86,7 @@ class LLMEngine:
             self.config.varlen_compile_config, self.config.decode_compile_config,
             self.config.use_default_compile_configs))
         self.sampler = self.model_runner.sampler
+        self.beam_search = BeamSearch(self.scheduler)
         self.device = device
         text_config = model.config.get_text_config()
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -114,7 +116,7 @@ class LLMEngine:
         return self.scheduler.weights_version
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.beam_search.has_pending
 
     def add_request(
         self,
@@ -180,7 +182,10 @@ class LLMEngine:
         is already queued or running."""
         self._check_new_id(request.request_id)
         self.wake()
-        self.scheduler.add_request(request)
+        if request.params.num_beams > 1:
+            self.beam_search.add(request)
+        else:
+            self.scheduler.add_request(request)
 
     def fork(self, parent_id: str, child: Request) -> None:
         """Adds `child`, made by `make_request` with the prompt `self.requests[parent_id].token_ids` (the parent's
@@ -198,7 +203,7 @@ class LLMEngine:
         self.scheduler.fork(parent, child)
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.requests:
+        if request_id in self.requests or self.beam_search.owns(request_id):
             raise ValueError(f"request {request_id!r}: a request with this id is already running")
 
     def _check_token_ids(self, params: SamplingParams) -> None:
@@ -256,22 +261,29 @@ class LLMEngine:
 
     def cancel_request(self, request_id: str) -> RequestDelta | None:
         """Cancels a queued or running request and frees its blocks; returns its final delta. Unknown or
-        finished ids are ignored (None)."""
+        finished ids are ignored (None). An output or beam of a beam search cancels its whole group (its other
+        outputs' deltas come with the next step)."""
+        if self.beam_search.owns(request_id):
+            return self.beam_search.cancel(request_id)
         return self.scheduler.cancel(request_id)
 
     def step(self) -> list[RequestDelta]:
         """Runs one step: schedule -> forward -> sample -> update. Returns the deltas of the requests that
         produced a token or went through an event; a failing forward or sampler fails this step's requests."""
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.waiting and self.scheduler.preempt_idle():
+            scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return self._fail_unschedulable()
+            return self.beam_search.update(self._fail_unschedulable(), {})
         self.num_scheduled_tokens_total += scheduler_output.total_num_scheduled_tokens
         try:
             logits = self.model_runner.execute(scheduler_output)
             runner_output = self.model_runner.sample(logits, scheduler_output)
         except Exception as error:  # a failing batch fails its own requests, never the engine
-            return self._fail_batch(scheduler_output.requests, f"{type(error).__name__}: {error}")
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            failed = self._fail_batch(scheduler_output.requests, f"{type(error).__name__}: {error}")
+            return self.beam_search.update(failed, {})
+        deltas = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.beam_search.update(deltas, runner_output.beam_scores)
 
     def _fail_batch(self, scheduled: list[ScheduledRequest], error: str) -> list[RequestDelta]:
         requests = [self.requests[entry.request_id] for entry in scheduled]

@@ -54,13 +54,11 @@ def resolve_generation_config(config: GenerationConfig | None, model_config: Gen
 
 def check_supported(config: GenerationConfig) -> None:
     """Raises ValueError naming the first field of `config` that contbatch would have to ignore (see
-    `UNSUPPORTED_IF_SET`) and beam search (not supported yet)."""
+    `UNSUPPORTED_IF_SET`)."""
     for name, neutral in UNSUPPORTED_IF_SET.items():
         value = getattr(config, name, None)
         if not any(value is v or (v is not None and value == v) for v in neutral):
             raise ValueError(f"generation config field {name}={value!r} is not supported by contbatch; unset it")
-    if (config.num_beams or 1) > 1:
-        raise ValueError(f"num_beams={config.num_beams}: beam search is not supported by contbatch yet")
 
 
 def max_new_tokens_for(config: GenerationConfig, num_prompt_tokens: int, max_positions: int | None) -> int:
@@ -95,7 +93,8 @@ def min_new_tokens_for(config: GenerationConfig, num_prompt_tokens: int) -> int:
 def config_fields(config: GenerationConfig) -> dict[str, Any]:
     """The `SamplingParams` fields a resolved config sets (lengths apart, which depend on the prompt): the
     sampling fields and, since `generate` applies them in greedy mode too, the logits processors."""
-    sequence_bias = dict(config.sequence_bias or {})
+    bias = config.sequence_bias or {}
+    sequence_bias = bias if isinstance(bias, dict) else {tuple(key): value for key, value in bias}
     return {
         "do_sample": bool(config.do_sample),
         "temperature": 1.0 if config.temperature is None else config.temperature,
@@ -107,6 +106,9 @@ def config_fields(config: GenerationConfig) -> dict[str, Any]:
         "bad_words_ids": tuple(tuple(seq) for seq in config.bad_words_ids or ()),
         "suppress_tokens": tuple(config.suppress_tokens or ()),
         "sequence_bias": tuple((tuple(key), float(value)) for key, value in sequence_bias.items()),
+        "num_beams": config.num_beams or 1,
+        "length_penalty": 1.0 if config.length_penalty is None else config.length_penalty,
+        "early_stopping": bool(config.early_stopping) if config.early_stopping != "never" else "never",
         "logprobs_mode": getattr(config, "logprobs_mode", None) or "raw",
         "prompt_logprobs": getattr(config, "prompt_logprobs", None),
     }

@@ -17,6 +17,7 @@ from contbatch.engine.attention import (
 from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.kv_cache import PagedKVCache
+from contbatch.engine.logits_processors import apply_processors
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.sampler import Sampler
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
@@ -117,6 +118,7 @@ class ModelRunner:
             logprobs=sampled.logprobs.tolist() if sampled.logprobs is not None else None,
             top_logprobs=top,
             prompt_logprobs=prompt,
+            beam_scores=_beam_scores(logits, targets),
         )
 
     def prepare(
@@ -160,6 +162,18 @@ class ModelRunner:
         ])
         return (torch.tensor(token_ids, device=self.device), positions.to(self.device),
                 logits_indices.to(self.device), metadata)
+
+
+def _beam_scores(logits: torch.Tensor, targets: list[SamplingTarget]) -> dict[str, torch.Tensor]:
+    """The processed log-probabilities of each beam target (as `generate`'s beam search: log_softmax of the
+    float32 logits, then the logits processors), on CPU."""
+    rows = [row for row, target in enumerate(targets) if target.params.num_beams > 1]
+    if not rows:
+        return {}
+    beams = [targets[row] for row in rows]
+    log_probs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
+    scores = apply_processors(log_probs, [t.params for t in beams], [t.history for t in beams]).cpu()
+    return {target.request_id: scores[j] for j, target in enumerate(beams)}
 
 
 def _apply_grammars(logits: torch.Tensor, targets: list[SamplingTarget]) -> torch.Tensor:

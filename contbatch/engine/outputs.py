@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from contbatch.engine.request import RequestStatus
 
 TopLogprobs = tuple[tuple[int, float], ...]
@@ -65,6 +67,8 @@ class RequestDelta(NamedTuple):
         new_prompt_logprobs: the prompt logprobs entries computed since the previous delta, in prompt order (the
             first delta's first entry is None, for prompt token 0), when the request asked for prompt logprobs;
             else None. Requests forked from one whose prompt is not computed yet (n samples) get its entries.
+        sequence_score: a beam search output's score (`generate`'s `sequences_scores`: the sum of its tokens'
+            log-probabilities over its length ** length_penalty); None otherwise.
     """
 
     request_id: str
@@ -79,6 +83,7 @@ class RequestDelta(NamedTuple):
     events: tuple[RequestEvent, ...] = ()
     weights_version: int = 0
     new_prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    sequence_score: float | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -98,6 +103,9 @@ class ModelRunnerOutput:
             asked in the step; None when no row asked.
         prompt_logprobs: per request id whose chunk has a `PromptLogprobsTask`, the entries of the task's
             `token_ids`, in order (the None of prompt token 0 is the scheduler's to add).
+        beam_scores: per beam (a request with `num_beams > 1`) that computed its last token, its [vocab] float32
+            CPU log-probabilities after the logits processors, for its group to rank (its `sampled_token_ids`
+            entry is meaningless); they stay inside the engine.
     """
 
     request_ids: list[str]
@@ -105,6 +113,7 @@ class ModelRunnerOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
+    beam_scores: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

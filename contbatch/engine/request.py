@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from contbatch.engine.batch import SamplingTarget
+from contbatch.engine.batch import PromptLogprobsTask, SamplingTarget
 from contbatch.engine.logits_processors import TokenHistory
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.structured import GrammarMatcher
@@ -127,6 +127,20 @@ class Request:
         if self.needs_prompt_logprobs:
             limit = min(limit, self.first_scored_prompt_token - 1)
         return limit
+
+    def prompt_logprobs_task(self, end: int) -> PromptLogprobsTask | None:
+        """The prompt logprobs a chunk computing this request's tokens up to `end` (exclusive) produces: the
+        entries not reported yet, up to that of prompt token `end` (scored by the chunk's last row) or the
+        prompt's end. None when it reports none."""
+        if not self.needs_prompt_logprobs:
+            return None
+        first = self.num_prompt_logprobs
+        last = min(end + 1, self.num_prompt_tokens)
+        if last <= first:
+            return None
+        first_scored = min(self.first_scored_prompt_token, last)
+        return PromptLogprobsTask(first, first_scored, self.prompt_ids[first_scored:last],
+                                  self.params.prompt_logprobs or 0)
 
     @functools.cached_property
     def sampling_target(self) -> SamplingTarget:

@@ -14,8 +14,9 @@ from contbatch.engine.structured import StructuredOutput
 
 OVERRIDABLE = ("do_sample", "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "min_tokens", "eos_token_ids",
                "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "logit_bias", "bad_words_ids", "suppress_tokens", "structured_output", "seed", "logprobs",
-               "top_logprobs", "logprobs_mode", "prompt_logprobs", "prompt_logprobs_start")
+               "logit_bias", "bad_words_ids", "suppress_tokens", "structured_output", "num_beams", "length_penalty",
+               "early_stopping", "num_return_sequences", "seed", "logprobs", "top_logprobs", "logprobs_mode",
+               "prompt_logprobs", "prompt_logprobs_start")
 _ALIASES = {"eos_token_id": "eos_token_ids", "min_new_tokens": "min_tokens"}
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_MODES = ("raw", "processed")
@@ -55,6 +56,10 @@ class SamplingParams:
             strings: see `StructuredOutput`); a dict of its fields is accepted. Tokens the grammar does not allow
             next have probability 0, and the request stops (reason "stop") once the grammar is complete and
             nothing else may follow. Needs the engine's tokenizer.
+        num_beams: > 1 runs beam search (`generate`'s, greedy): the request becomes a group of num_beams beams
+            sharing their common prefix's blocks, and its outputs are the `num_return_sequences` best finished
+            hypotheses with their `sequence_score`. `length_penalty` and `early_stopping` (True, False or
+            "never") are `generate`'s. Beam search does not sample and does not report logprobs.
         seed: when set, the request samples from its own generator seeded with it, so its tokens do not
             depend on the rest of the batch.
         logprobs: record the log-probability of each chosen token, under the distribution `logprobs_mode` names.
@@ -98,6 +103,10 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     suppress_tokens: tuple[int, ...] = ()
     structured_output: StructuredOutput | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -129,6 +138,27 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         self._check_logprobs()
+        self._check_beams()
+
+    def _check_beams(self) -> None:
+        _check_int("num_beams", self.num_beams, minimum=1)
+        _check_int("num_return_sequences", self.num_return_sequences, minimum=1)
+        _check_number("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.num_beams == 1:
+            return
+        refused = [name for name, on in (("do_sample=True (beam sampling)", self.do_sample),
+                                          ("logprobs", self.wants_logprobs),
+                                          ("prompt_logprobs", self.prompt_logprobs is not None),
+                                          ("structured_output", self.structured_output is not None)) if on]
+        if self.max_new_tokens == 0:
+            refused.append("max_new_tokens=0")
+        if refused:
+            raise ValueError(f"num_beams={self.num_beams}: beam search does not support {', '.join(refused)}")
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences ({self.num_return_sequences}) must be at most num_beams "
+                             f"({self.num_beams})")
 
     def _check_logprobs(self) -> None:
         _check_int("top_logprobs", self.top_logprobs, minimum=0)

@@ -97,6 +97,33 @@ class Scheduler:
         else:
             self.waiting.append(child)
 
+    def fork_computed(self, parent: Request, child: Request) -> None:
+        """Adds `child`, whose tokens extend `parent`'s computed ones (a beam continuing another's sequence),
+        sharing `parent`'s blocks (copy-on-write); a `parent` holding no blocks (preempted) has the child wait
+        and compute its tokens itself."""
+        self._register(child)
+        if self.kv_manager.holds(parent.request_id):
+            self._start_forked(parent, child)
+        else:
+            self.waiting.append(child)
+
+    def preempt_idle(self) -> bool:
+        """Preempts the running requests that have nothing to compute (beams waiting for their group), giving
+        their blocks to the waiting requests; returns whether there were any."""
+        idle = [request for request in self.running if request.num_computed_tokens >= request.num_tokens_to_compute]
+        for request in idle:
+            self.running.remove(request)
+            self._requeue(request)
+            self.waiting.append(request)
+        return bool(idle)
+
+    def _requeue(self, request: Request) -> None:
+        """Frees a preempted request's blocks; it will recompute its tokens."""
+        self.kv_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PENDING
+        self._event(request, EventType.PREEMPTED)
+
     def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._event(request, EventType.QUEUED)
@@ -137,7 +164,7 @@ class Scheduler:
         output.requests.append(ScheduledRequest(
             request.request_id, request.token_ids[start:start + num_tokens], start,
             self.kv_manager.block_tables(request.request_id), samplers,
-            _prompt_logprobs_task(request, start + num_tokens),
+            request.prompt_logprobs_task(start + num_tokens),
         ))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -149,6 +176,8 @@ class Scheduler:
             if request.status == RequestStatus.PENDING or request.request_id in scheduled:
                 continue
             num_tokens = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
+            if num_tokens <= 0:  # a beam waiting for its group to choose its next token
+                continue
             if not self._make_room(request, request.num_computed_tokens + num_tokens, output, scheduled):
                 continue
             output.block_copies += self.kv_manager.allocate_slots(request, request.num_computed_tokens + num_tokens)
@@ -173,12 +202,9 @@ class Scheduler:
             if victim.request_id in scheduled:
                 continue
             del self.running[position]
-            self.kv_manager.free(victim.request_id)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.PENDING
+            self._requeue(victim)
             self.waiting.appendleft(victim)
             output.preempted_req_ids.append(victim.request_id)
-            self._event(victim, EventType.PREEMPTED)
             return victim
         return None
 
@@ -236,6 +262,9 @@ class Scheduler:
                 sampler = self.requests[target.request_id]
                 if sampler is not request:
                     self._fork_follower(request, sampler)
+                if sampler.params.num_beams > 1:  # its group chooses its next token (see BeamSearch)
+                    row += 1
+                    continue
                 sampler.append_token(result.sampled_token_ids[row])
                 produced.append((sampler, row))
                 row += 1
@@ -348,21 +377,6 @@ class Scheduler:
             if rest:
                 self._followers[new_leader.request_id] = rest
             self.waiting.appendleft(new_leader)
-
-
-def _prompt_logprobs_task(request: Request, end: int) -> PromptLogprobsTask | None:
-    """The prompt logprobs a chunk of `request` computing its tokens up to `end` (exclusive) produces: the
-    entries it has not reported yet, up to that of prompt token `end` (scored by the chunk's last row) or the
-    prompt's end. None when it reports none."""
-    if not request.needs_prompt_logprobs:
-        return None
-    first = request.num_prompt_logprobs
-    last = min(end + 1, request.num_prompt_tokens)
-    if last <= first:
-        return None
-    first_scored = min(request.first_scored_prompt_token, last)
-    return PromptLogprobsTask(first, first_scored, request.prompt_ids[first_scored:last],
-                              request.params.prompt_logprobs or 0)
 
 
 def _check_fork_prompt_logprobs(parent: Request, child: Request) -> None:

@@ -130,11 +130,15 @@ class EngineClient:
         request_id = self._ids.new() if request_id is None else request_id
         seed = sampling.pop("seed", None)
         ids = RequestIds.samples(request_id, n)
-        requests = [self.engine.make_request(input_ids, rid, max_new_tokens, eos_token_id=eos_token_id,
-                                             seed=None if seed is None else seed + j, **sampling)
-                    for j, rid in enumerate(ids)]
-        states = [RequestState(request.request_id, request.prompt_ids, streaming, record_timestamps,
-                               self._detokenizer(stop, detokenize)) for request in requests]
+        if (sampling.get("num_beams") or self.engine.generation_config.num_beams or 1) > 1:
+            requests = [self.engine.make_request(input_ids, request_id, max_new_tokens, eos_token_id=eos_token_id,
+                                                 num_return_sequences=n, **sampling)]
+        else:
+            requests = [self.engine.make_request(input_ids, rid, max_new_tokens, eos_token_id=eos_token_id,
+                                                 seed=None if seed is None else seed + j, **sampling)
+                        for j, rid in enumerate(ids)]
+        states = [RequestState(rid, requests[0].prompt_ids, streaming, record_timestamps,
+                               self._detokenizer(stop, detokenize)) for rid in ids]
         self._reserve(ids)
         self._loop.submit(AddRequests(requests, states))
         return request_id

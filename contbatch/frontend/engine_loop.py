@@ -266,12 +266,12 @@ class EngineLoop:
         except ValueError as error:
             for request_id in added:
                 engine.cancel_request(request_id)
-            self.gate.release(len(command.requests))
+            self.gate.release(len(command.states))
             self.router.deliver(self.processor.finish(
                 [state.request_id for state in command.states], RequestStatus.FAILED, "error", str(error)))
             return
         if self.gate.limit:
-            self._unadmitted.update(added)
+            self._unadmitted.update(state.request_id for state in command.states)
 
     def _publish(self, engine: LLMEngine, deltas: list[RequestDelta]) -> None:
         """Turns deltas into outputs and delivers them; aborts the requests a stop string ended."""

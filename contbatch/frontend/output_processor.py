@@ -64,6 +64,7 @@ class RequestState:
     weights_version: int = 0
     num_reported: int = 0
     num_chunks_reported: int = 0
+    sequence_score: float | None = None
 
     def apply(self, delta: RequestDelta) -> GenerationOutput | None:
         """Adds `delta`; returns the output to deliver for it, if any."""
@@ -82,6 +83,7 @@ class RequestState:
             self.timestamps.extend([delta.timestamp] * len(new))
         self.status, self.finish_reason, self.error = delta.status, delta.finish_reason, delta.error
         self.num_cached_tokens, self.weights_version = delta.num_cached_tokens, delta.weights_version
+        self.sequence_score = delta.sequence_score
         if self.detokenizer is not None:
             self._detokenize(self.detokenizer, new, delta.is_finished)
         if self.status.is_finished or (self.streaming and bool(new)):
@@ -121,6 +123,7 @@ class RequestState:
             text=text,
             new_text=new_text,
             weights_version=self.weights_version,
+            sequence_score=self.sequence_score,
         )
 
 
