@@ -129,6 +129,7 @@ class EngineClient:
             raise ValueError("stop strings and text outputs need a tokenizer: the client's tokenizer=")
         request_id = self._ids.new() if request_id is None else request_id
         seed = sampling.pop("seed", None)
+        sampling.pop("num_return_sequences", None)
         ids = RequestIds.samples(request_id, n)
         if (sampling.get("num_beams") or self.engine.generation_config.num_beams or 1) > 1:
             requests = [self.engine.make_request(input_ids, request_id, max_new_tokens, eos_token_id=eos_token_id,

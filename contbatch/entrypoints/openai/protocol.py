@@ -44,6 +44,11 @@ class SamplingFields(BaseModel):
     default, OpenAI's meaning) or "processed" (log-probabilities under the distribution the token was drawn from:
     after temperature, top-k and top-p); another value is answered 400 naming it. Tokens removed by top-k or
     top-p have log-probability -inf, reported as LOGPROB_FLOOR since JSON has no infinity.
+
+    OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias`, and vLLM's extra `repetition_penalty`,
+    `min_p`, `min_tokens`, `stop_token_ids` and `ignore_eos`, go to the engine, whose ValueError for a value out
+    of range is a 400 naming it. `use_beam_search` (vLLM's) runs beam search with `num_beams` beams (default:
+    `n`) and returns the `n` best sequences; `length_penalty` and `early_stopping` are `generate`'s.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -58,6 +63,18 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool | None = None
+    use_beam_search: bool = False
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
     logprobs_mode: str | None = None
     response_format: ResponseFormat | None = None
 

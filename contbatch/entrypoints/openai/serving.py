@@ -170,7 +170,14 @@ def _sampling(body: SamplingFields, call: GenerationRequest, default_top_k: int 
                 "logprobs_mode": body.logprobs_mode, "prompt_logprobs": call.engine_prompt_logprobs}
     if call.structured_output is not None:
         sampling["structured_output"] = call.structured_output
-    return sampling
+    extras = {name: getattr(body, name) for name in _ENGINE_EXTRAS if getattr(body, name) is not None}
+    if body.use_beam_search:
+        extras.update(do_sample=False, num_beams=body.num_beams or body.n, num_return_sequences=body.n)
+    return {**sampling, **extras}
+
+
+_ENGINE_EXTRAS = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens",
+                  "stop_token_ids", "ignore_eos", "length_penalty", "early_stopping")
 
 
 def _default_top_k(state: ServerState) -> int | None:
