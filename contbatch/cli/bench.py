@@ -31,7 +31,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="Python of the environment holding vLLM for --engines vllm (default: "
                        "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
-    bench.add_argument("--workload", choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured"],
+    bench.add_argument("--workload",
+                       choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured", "beam"],
                        default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
                        "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
@@ -39,7 +40,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "prompts x --samples generations, ContbatchGRPOTrainer vs TRL's transformers-CB and generate "
                        "paths (extra `trl`); eval: the shipped lm-eval tasks (first N documents each) through the "
                        "contbatch backend and lm-eval's hf backend (extra `eval`); structured: N GSM8K prompts "
-                       "asking for a JSON answer, with and without the JSON schema enforced (extra `structured`)")
+                       "asking for a JSON answer, with and without the JSON schema enforced (extra `structured`); "
+                       "beam: N GSM8K prompts, beam search with --num-beams beams, contbatch vs static "
+                       "generate(num_beams) in batches of --static-batch-size")
+    bench.add_argument("--num-beams", type=int, default=4, help="--workload beam: beams per prompt")
     bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
     bench.add_argument("--grpo-steps", type=int, default=3,
                        help="--workload grpo-trl: optimizer steps per trainer (the first is a warm-up)")
@@ -126,9 +130,9 @@ def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTraine
 
 
 def _bench_workload(args: argparse.Namespace) -> int:
-    """Run `contbatch bench --workload prefix|grpo|structured`: print (and with `--output` write) the workload's
-    table."""
-    from contbatch.bench import structured, throughput, workloads
+    """Run `contbatch bench --workload prefix|grpo|structured|beam`: print (and with `--output` write) the
+    workload's table."""
+    from contbatch.bench import beam, structured, throughput, workloads
     from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
     from contbatch.data.prompts import chat_inputs, load_prompts
 
@@ -142,6 +146,14 @@ def _bench_workload(args: argparse.Namespace) -> int:
                  for result, computed in runs]
         title = (f"{len(inputs)} GSM8K prompts behind one system prompt ({sum(map(len, inputs))} prompt tokens), "
                  f"greedy, max_new_tokens={args.max_new_tokens}")
+    elif args.workload == "beam":
+        inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
+        pad = model.generation_config.pad_token_id
+        config = beam.beam_config(args.num_beams, args.max_new_tokens, eos, eos if pad is None else pad)
+        results, agree = beam.run_beam(model, inputs, config, engine_config(args), args.static_batch_size)
+        lines = [f"best sequences equal to generate's: {agree} of {len(inputs)}"]
+        title = (f"{len(inputs)} GSM8K prompts, beam search (num_beams={args.num_beams}, the best sequence "
+                 f"counted), max_new_tokens={args.max_new_tokens}")
     elif args.workload == "structured":
         inputs = structured.json_inputs(tokenizer, args.num_prompts)
         runs = structured.run_structured(model, tokenizer, inputs, args.max_new_tokens, eos, engine_config(args))
