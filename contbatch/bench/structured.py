@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import time
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contbatch import ContinuousBatchingConfig, StructuredOutput
 from contbatch.api import generate_batch
 from contbatch.bench.throughput import BenchResult
-from contbatch.data.prompts import as_token_ids, load_prompts
+from contbatch.bench.workloads import questions_after
+from contbatch.engine.generation_config import as_ids
+from contbatch.engine.structured import GrammarCompiler, apply_bitmask, fill_bitmasks
 
 ANSWER_SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["reasoning", "answer"],
@@ -23,11 +26,7 @@ JSON_INSTRUCTION = ('Solve the problem. Reply with one JSON object and nothing e
 
 def json_inputs(tokenizer: PreTrainedTokenizerBase, num_requests: int) -> list[list[int]]:
     """GSM8K questions with a system prompt asking for a JSON answer, chat-templated."""
-    inputs = []
-    for question in load_prompts(limit=num_requests):
-        messages = [{"role": "system", "content": JSON_INSTRUCTION}, {"role": "user", "content": question}]
-        inputs.append(as_token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
-    return inputs
+    return questions_after(tokenizer, JSON_INSTRUCTION, num_requests)
 
 
 def is_answer(text: str) -> bool:
@@ -40,11 +39,29 @@ def is_answer(text: str) -> bool:
             and isinstance(value["answer"], (int, float)) and not isinstance(value["answer"], bool))
 
 
+def grammar_seconds(compiler: GrammarCompiler, spec: StructuredOutput, outputs: list[list[int]],
+                    vocab_size: int) -> float:
+    """The time the grammar work of a run takes alone: its outputs replayed step by step as the engine runs
+    them (one batched bitmask fill and one masking of [active, vocab] logits per step, then each active
+    output's token accepted). Host drift between runs cannot bias it, nor can outputs of other lengths."""
+    matchers = [compiler.matcher(spec) for _ in outputs]
+    logits = torch.zeros((len(outputs), vocab_size))
+    start = time.perf_counter()
+    for step in range(max(map(len, outputs), default=0)):
+        active = [i for i, tokens in enumerate(outputs) if len(tokens) > step]
+        bitmask = fill_bitmasks([matchers[i] for i in active], vocab_size)
+        apply_bitmask(logits, bitmask, active)
+        for i in active:
+            matchers[i].accept(outputs[i][step])
+    return time.perf_counter() - start
+
+
 def run_structured(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, inputs: list[list[int]],
                    max_new_tokens: int, eos: int | list[int], config: ContinuousBatchingConfig,
-                   rounds: int = 2) -> list[tuple[BenchResult, int]]:
+                   rounds: int = 2) -> list[tuple[BenchResult, int, float | None]]:
     """`rounds` runs of each setting, off then on, interleaved (after one untimed warm-up of each); every result
-    with how many of its outputs are valid answers (`is_answer`)."""
+    with how many of its outputs are valid answers (`is_answer`) and, for an enforced run, the seconds its
+    grammar work takes replayed alone (`grammar_seconds`; None for the others)."""
     generation = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos)
     schema = StructuredOutput(json_schema=ANSWER_SCHEMA)
     for constraint in (None, schema):
@@ -61,5 +78,10 @@ def run_structured(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, i
             name = f"contbatch, JSON schema {'enforced' if constraint else 'off'}"
             result = BenchResult(name, wall, sum(len(o.generated_tokens) for o in outputs.values()),
                                  sum(map(len, inputs)))
-            results.append((result, sum(is_answer(text) for text in texts)))
+            grammar = None
+            if constraint is not None:
+                compiler = GrammarCompiler(tokenizer, model.get_input_embeddings().num_embeddings, as_ids(eos))
+                grammar = grammar_seconds(compiler, constraint, [o.generated_tokens for o in outputs.values()],
+                                          compiler.vocab_size)
+            results.append((result, sum(is_answer(text) for text in texts), grammar))
     return results

@@ -28,9 +28,15 @@ SYSTEM_PROMPT = (
 
 def shared_prefix_inputs(tokenizer: PreTrainedTokenizerBase, num_requests: int) -> list[list[int]]:
     """GSM8K questions behind one long system prompt (about 200 tokens with the chat template)."""
+    return questions_after(tokenizer, SYSTEM_PROMPT, num_requests)
+
+
+def questions_after(tokenizer: PreTrainedTokenizerBase, system: str, num_requests: int) -> list[list[int]]:
+    """The first `num_requests` GSM8K questions, each as a user turn after the system prompt `system`,
+    chat-templated for the assistant's reply."""
     inputs = []
     for question in load_prompts(limit=num_requests):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         inputs.append(as_token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
     return inputs
 

@@ -157,9 +157,11 @@ def _bench_workload(args: argparse.Namespace) -> int:
     elif args.workload == "structured":
         inputs = structured.json_inputs(tokenizer, args.num_prompts)
         runs = structured.run_structured(model, tokenizer, inputs, args.max_new_tokens, eos, engine_config(args))
-        results = [result for result, _ in runs]
-        lines = [f"valid JSON answers, {result.engine} (run {index // 2 + 1}): {valid} of {len(inputs)}"
-                 for index, (result, valid) in enumerate(runs)]
+        results = [result for result, _, _ in runs]
+        lines = [f"run {index // 2 + 1}, {result.engine}: {valid} of {len(inputs)} valid JSON answers"
+                 + ("" if grammar is None else f"; its grammar work replayed alone: {grammar:.2f} s, "
+                    f"{100 * grammar / result.wall_s:.1f}% of its wall time")
+                 for index, (result, valid, grammar) in enumerate(runs)]
         title = (f"{len(inputs)} GSM8K prompts asking for a JSON answer ({sum(map(len, inputs))} prompt tokens), "
                  f"greedy, max_new_tokens={args.max_new_tokens}, runs interleaved")
     else:

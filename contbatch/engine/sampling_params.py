@@ -190,7 +190,7 @@ class SamplingParams:
         `ignore_eos`."""
         return frozenset(self.stop_token_ids) | frozenset(() if self.ignore_eos else self.eos_token_ids)
 
-    @property
+    @functools.cached_property
     def uses_processors(self) -> bool:
         """Whether any logits processor applies to this request (penalties, biases, banned or suppressed tokens,
         a minimum length): requests without any keep their logits untouched."""

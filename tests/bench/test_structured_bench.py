@@ -20,5 +20,7 @@ def test_a_small_run_reports_both_settings_in_turn() -> None:
     assert all("JSON" in tokenizer.decode(ids) for ids in inputs)
     runs = run_structured(model, tokenizer, inputs, 12, tokenizer.eos_token_id,
                           ContinuousBatchingConfig(block_size=16, num_blocks=64), rounds=1)
-    assert [result.engine for result, _ in runs] == ["contbatch, JSON schema off", "contbatch, JSON schema enforced"]
-    assert all(result.generated_tokens > 0 and 0 <= valid <= 2 for result, valid in runs)
+    assert [result.engine for result, _, _ in runs] == ["contbatch, JSON schema off",
+                                                          "contbatch, JSON schema enforced"]
+    assert all(result.generated_tokens > 0 and 0 <= valid <= 2 for result, valid, _ in runs)
+    assert runs[0][2] is None and runs[1][2] is not None and 0 < runs[1][2] < runs[1][0].wall_s
