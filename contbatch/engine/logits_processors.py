@@ -1,9 +1,10 @@
 """Per-request logits processors, applied to a whole batch of logits at once: biases, penalties, banned tokens
 and minimum lengths, in `generate`'s order and with its arithmetic, so greedy outputs stay `generate`'s.
 
-Each step gathers the rows that use a processor and their token histories into flat index tensors (one pass
-over their token lists); the arithmetic is batched tensor operations over those rows. Rows without a processor
-are left bit-for-bit untouched."""
+Each step turns the token histories of the rows that use a penalty into flat (row, token) index tensors (the
+tokens flattened in one C-level pass, the rows repeated by a tensor op) and gathers the per-request parameters
+(biases, banned words, stop ids) into index lists; the arithmetic is batched tensor operations over those rows.
+Rows without a processor are left bit-for-bit untouched."""
 
 from __future__ import annotations
 
@@ -105,11 +106,11 @@ def _openai_penalties(scores: torch.Tensor, params: Sequence[SamplingParams],
         return scores
     generated = [h.token_ids[h.num_prompt_tokens:] for h in (histories[row] for row in rows)]
     counts = torch.zeros((scores.shape[0], scores.shape[1]), dtype=scores.dtype, device=scores.device)
-    flat_rows = [row for row, tokens in zip(rows, generated, strict=True) for _ in tokens]
-    if not flat_rows:
+    index = _flat_indices(rows, generated, scores.device)
+    if not index[0].numel():
         return scores
-    counts.index_put_(_indices(flat_rows, list(itertools.chain(*generated)), scores.device),
-                      torch.ones(len(flat_rows), dtype=scores.dtype, device=scores.device), accumulate=True)
+    counts.index_put_(index, torch.ones(index[0].numel(), dtype=scores.dtype, device=scores.device),
+                      accumulate=True)
     frequency = _column([p.frequency_penalty for p in params], scores)
     presence = _column([p.presence_penalty for p in params], scores)
     return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
@@ -136,9 +137,18 @@ def _ban(scores: torch.Tensor, params: Sequence[SamplingParams], histories: Sequ
 def _presence(scores: torch.Tensor, rows: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
     """[R, vocab] bool: True where row `rows[j]` has the token in `token_lists[j]`."""
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    flat_rows = [row for row, tokens in zip(rows, token_lists, strict=True) for _ in tokens]
-    mask[_indices(flat_rows, list(itertools.chain(*token_lists)), scores.device)] = True
+    mask[_flat_indices(rows, token_lists, scores.device)] = True
     return mask
+
+
+def _flat_indices(rows: Sequence[int], token_lists: Sequence[Sequence[int]],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token) tensors of every token of every list: the rows repeated by tensor ops, the tokens
+    flattened in one C-level pass."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
+    row_index = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    return row_index.to(device), tokens.to(device)
 
 
 def _indices(rows: Sequence[int], tokens: Sequence[int],

@@ -218,14 +218,15 @@ class SamplingParams:
         `eos_token_id` for `eos_token_ids`, one id or several; `min_new_tokens` for `min_tokens`; `logit_bias`
         may be a dict {token id: bias}). Raises ValueError naming an unknown key or a bad value."""
         base = cls()
+        given = _normalise(overrides)
         if config is not None:
             lengths = {"max_new_tokens": config.max_new_tokens or base.max_new_tokens,
                        "min_tokens": config.min_new_tokens or 0}
             if num_prompt_tokens is not None:
-                lengths = {"max_new_tokens": max_new_tokens_for(config, num_prompt_tokens, max_positions),
-                           "min_tokens": min_new_tokens_for(config, num_prompt_tokens)}
+                lengths = {"min_tokens": min_new_tokens_for(config, num_prompt_tokens),
+                           "max_new_tokens": given["max_new_tokens"] if "max_new_tokens" in given
+                           else max_new_tokens_for(config, num_prompt_tokens, max_positions)}
             base = replace(base, **config_fields(config), **lengths)
-        given = _normalise(overrides)
         if given.get("temperature", 1.0) != 1.0 or given.get("top_p", 1.0) != 1.0 or given.get("top_k", 0):
             given.setdefault("do_sample", True)
         return replace(base, **given)

@@ -205,9 +205,9 @@ def test_sampled_generation_follows_its_seed(tiny_dir: Path) -> None:
                          idx=0) for kwargs in (sampled, sampled, {**sampled, "seed": 5})]
     first, again, other = backend.generate_until(requests, disable_tqdm=True)
     assert first == again and first != other
-    with pytest.raises(ValueError, match="repetition_penalty"):
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
         backend.generate_until([Instance(request_type="generate_until", doc={}, idx=0,
-                                         arguments=("Hi", {"until": [], "repetition_penalty": 1.1}))])
+                                         arguments=("Hi", {"until": [], "no_repeat_ngram_size": 2}))])
 
 
 def test_bad_model_args_are_refused_by_name() -> None:
