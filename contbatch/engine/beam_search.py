@@ -30,7 +30,6 @@ class BeamGroup:
 
     request_id: str
     output_ids: list[str]
-    prompt_ids: list[int]
     beams: list[Request]
     running_scores: torch.Tensor
     finished: list[list[int]]
@@ -45,9 +44,8 @@ class BeamGroup:
         k = request.params.num_beams
         scores = torch.full((k,), NEG, dtype=torch.float32)
         scores[0] = 0.0
-        return cls(request.request_id.rsplit("#", 1)[0], output_ids, list(request.prompt_ids), [request] * k,
-                   scores, [[] for _ in range(k)], torch.full((k,), NEG, dtype=torch.float32),
-                   torch.zeros(k, dtype=torch.bool))
+        return cls(request.request_id.rsplit("#", 1)[0], output_ids, [request] * k, scores, [[] for _ in range(k)],
+                   torch.full((k,), NEG, dtype=torch.float32), torch.zeros(k, dtype=torch.bool))
 
     @property
     def live(self) -> list[Request]:
@@ -77,7 +75,7 @@ class BeamGroup:
         self._merge_finished(top_scores, parents, tokens, hits, k)
         self.running_scores = running[chosen]
         self.num_generated += 1
-        self._update_heuristic(k)
+        self._update_heuristic()
         exists_open = not (bool(self.is_sent_finished.all()) and params.early_stopping is True)
         done = not (self.heuristic_unsatisfied and exists_open and not bool(hits.all()))
         return done, [(int(parents[i]), int(tokens[i])) for i in chosen]
@@ -98,12 +96,11 @@ class BeamGroup:
         merged = torch.cat((self.finished_scores, scores))
         flags = torch.cat((self.is_sent_finished, just_finished))
         best = torch.topk(merged, k=k)[1].tolist()
-        candidates = [[*self.beams[int(p)].generated_tokens, int(t)] for p, t in zip(parents, tokens, strict=True)]
-        pool = self.finished + candidates
-        self.finished = [list(pool[i]) for i in best]
+        self.finished = [self.finished[i] if i < k else
+                         [*self.beams[int(parents[i - k])].generated_tokens, int(tokens[i - k])] for i in best]
         self.finished_scores, self.is_sent_finished = merged[best], flags[best]
 
-    def _update_heuristic(self, k: int) -> None:
+    def _update_heuristic(self) -> None:
         """`_check_early_stop_heuristic`: could a running beam still beat the worst finished hypothesis?"""
         params = self.beams[0].params
         if params.early_stopping == "never" and params.length_penalty > 0.0:
@@ -172,8 +169,9 @@ class BeamSearch:
             group = self._owner.get(delta.request_id)
             if group is not None and delta.status == RequestStatus.FAILED:
                 self._end(group, group.failed_deltas(RequestStatus.FAILED, "error", delta.error))
-        for group in list(dict.fromkeys(self._owner.values())):
-            if rows.keys() & {beam.request_id for beam in group.live} and group.ready:
+        touched = dict.fromkeys(self._owner[rid] for rid in rows if rid in self._owner)
+        for group in touched:
+            if group.ready:
                 self._advance(group)
         out += self._pending
         self._pending = []
@@ -202,7 +200,7 @@ class BeamSearch:
                 beams.append(parent)
                 appends.append((parent, token))
                 continue
-            child = Request(f"{group.request_id}#{next(self._ids)}", group.prompt_ids, parent.params,
+            child = Request(f"{group.request_id}#{next(self._ids)}", parent.prompt_ids, parent.params,
                             token_ids=list(parent.token_ids))
             self._owner[child.request_id] = group
             self.scheduler.fork_computed(parent, child)

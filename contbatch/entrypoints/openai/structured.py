@@ -8,12 +8,10 @@ The mapping functions return the constraint's keywords (`{"json_schema": <schema
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from contbatch.engine.structured import StructuredOutput
 from contbatch.entrypoints.openai.protocol import APIError, FunctionDefinition, ResponseFormat
-
-if TYPE_CHECKING:
-    from contbatch.engine.structured import StructuredOutput
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -69,8 +67,6 @@ def structured_output(constraint: dict[str, Any] | None, param: str) -> Structur
     400 naming `param`."""
     if constraint is None:
         return None
-    from contbatch.engine.structured import StructuredOutput
-
     try:
         return StructuredOutput(**constraint)
     except ValueError as error:
