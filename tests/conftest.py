@@ -79,7 +79,8 @@ def reference_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                                   pad_token_id=0)
         with torch.inference_mode():
-            output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            output = model.generate(torch.tensor([prompt], device=model.device),
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
                                     generation_config=config)
         _REFERENCES[key] = output[0, len(prompt):].tolist()
     return _REFERENCES[key]

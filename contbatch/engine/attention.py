@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,6 +36,7 @@ from contbatch.engine.kv_cache import PagedKVCache
 ATTENTION_NAME = "contbatch_paged"
 METADATA_KWARG = "contbatch_metadata"
 
+_GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _own_attention: dict[int, tuple[weakref.ReferenceType[PretrainedConfig], str]] = {}
 _forward_state = threading.local()
 
@@ -62,6 +64,10 @@ class KeyLayout:
                 allowed &= keys > queries - sliding_window
             self._masks[sliding_window] = allowed.unsqueeze(1)
         return self._masks[sliding_window]
+
+    def forget_masks(self) -> None:
+        """Drops the masks built so far: the next `mask` call computes them again."""
+        self._masks.clear()
 
 
 @dataclass
@@ -196,6 +202,8 @@ def _attend_group(
     mask = layout.mask(group.query_positions, sliding_window)
     if softcap:
         out = _softcapped_attention(q, keys, values, mask, scaling, softcap)
+    elif q.device.type == "cuda":
+        out = _folded_gqa_attention(q, keys, values, mask, scaling)
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
@@ -208,6 +216,24 @@ def _decode_kernel_for(group: AttentionGroup, q: torch.Tensor, cache: PagedKVCac
     if cache.spec.dtype != torch.float32:
         return None
     return paged_decode_kernel()
+
+
+def _folded_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """SDPA on a GPU with the query heads of each KV head folded into its query length ([batch, kv_heads,
+    groups * queries, head_dim]): no K/V is repeated and the memory-efficient kernel takes the mask. cuDNN's
+    kernel is left out: it builds a plan for every new shape, about 2 ms of CPU a call. Query head h reads KV head
+    h // groups, as transformers' `repeat_kv`."""
+    batch, heads, num_queries, head_dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, groups * num_queries, head_dim)
+    length = mask.shape[-1]
+    mask = mask.unsqueeze(2).expand(batch, 1, groups, num_queries, length).reshape(batch, 1, -1, length)
+    with sdpa_kernel(_GPU_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, num_queries, head_dim)
 
 
 def _softcapped_attention(

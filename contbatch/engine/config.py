@@ -29,9 +29,14 @@ class ContinuousBatchingConfig:
             custom op `contbatch::paged_attention` (see `contbatch.engine.compile`).
         use_default_compile_configs: compile the paths left None with `default_compile_config` (inductor,
             dynamic shapes).
-        use_async_batching, use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, max_cached_graphs:
-            CUDA-graph and double-buffering knobs of transformers' implementation. They are accepted and
-            validated; contbatch does not use them yet (compiled shapes are dynamic, not padded).
+        use_cuda_graph: replay decode steps (every request computes one token) from captured CUDA graphs
+            (`contbatch.engine.cuda_graphs`). None: on for a model on a CUDA device, unless the decode compile
+            config captures graphs itself (inductor's "reduce-overhead"); True on a CPU warns and runs without.
+        q_padding_interval_size: a graph's batch is padded to a multiple of this many requests (0: 8).
+        kv_padding_interval_size: a graph's key range is padded to a multiple of this many tokens (0: 256).
+        max_cached_graphs: captured graphs kept, least recently used dropped first (0: 64).
+        use_async_batching: transformers' double-buffering knob; accepted and validated, not used: every step
+            schedules after the previous one's tokens are known.
         scheduler_type: "fifo" (decodes first, then new prefills, in arrival order) or "prefill_first"
             (waiting prompts are admitted before running decodes take the budget).
         return_logprobs: record the log-probability of every generated token.

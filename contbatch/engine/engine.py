@@ -16,6 +16,7 @@ from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.compile import compile_paths
 from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.engine.cuda_graphs import resolve_graph_settings
 from contbatch.engine.generation_config import as_ids, check_supported, resolve_generation_config
 from contbatch.engine.kv_cache import (
     KVCacheSpec,
@@ -82,9 +83,12 @@ class LLMEngine:
         )
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
+        config = self.config
         self.model_runner = ModelRunner(model, self.cache, compile_paths(
-            self.config.varlen_compile_config, self.config.decode_compile_config,
-            self.config.use_default_compile_configs))
+            config.varlen_compile_config, config.decode_compile_config, config.use_default_compile_configs
+        ), resolve_graph_settings(config.use_cuda_graph, config.q_padding_interval_size,
+                                  config.kv_padding_interval_size, config.max_cached_graphs, device,
+                                  config.decode_compile_config))
         self.sampler = self.model_runner.sampler
         self.beam_search = BeamSearch(self.scheduler)
         self.device = device
@@ -319,6 +323,7 @@ class LLMEngine:
             raise RuntimeError(f"cannot sleep with {self.scheduler.num_unfinished} unfinished request(s): let them "
                                f"finish or cancel them first")
         self.reset_prefix_cache()
+        self.model_runner.drop_graphs()
         self.cache.release()
 
     def wake(self) -> None:
@@ -348,8 +353,7 @@ class LLMEngine:
         self.reset_prefix_cache()
         self.scheduler.weights_version += 1
         self._weights = WeightsFingerprint.of(self.model)
-        if self.model_runner.compiled is not None and self.model_runner.compiled.freezes_weights:
-            self.model_runner.compiled.reset()
+        self.model_runner.weights_replaced()
 
     def check_integrity(self) -> None:
         """Cache bookkeeping invariants; call when idle to also check that nothing leaked."""

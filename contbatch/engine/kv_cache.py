@@ -114,10 +114,12 @@ class PagedKVCache:
 
     Every block has room for `layers_per_block` layers (the size of the largest group); the layers of one group
     hold the same block ids, and a block id is held by one group at a time. Layer `l`'s keys are `keys[l]`,
-    shaped `[num_kv_heads, num_blocks * block_size, head_dim]`: slot `block_id * block_size + offset` holds the
-    token at `offset` in block `block_id`. Layers at the same position of different groups share that tensor
-    (their block ids differ). Slots are flat so that one `index_select` gathers a whole batch's context; heads
-    come first so that one request's keys of one head lie contiguous within a block, as the decode kernel reads.
+    shaped `[num_kv_heads, (num_blocks + 1) * block_size, head_dim]`: slot `block_id * block_size + offset` holds
+    the token at `offset` in block `block_id`. The block past the pool's is scratch space: `scratch_slot` takes the
+    K/V of padding tokens (`cuda_graphs`), which no block table ever points at. Layers at the same position of
+    different groups share that tensor (their block ids differ). Slots are flat so that one `index_select` gathers
+    a whole batch's context; heads come first so that one request's keys of one head lie contiguous within a
+    block, as the decode kernel reads.
 
     Memory: `release()` gives the storage back and `allocate()` makes it again (see both); while released, the
     cache holds no tensor memory, `keys` and `values` are empty, and no other method may be called.
@@ -131,7 +133,8 @@ class PagedKVCache:
         self.device = device
         self.groups = groups or [KVCacheGroup(tuple(range(spec.num_layers)))]
         layers_per_block = max(len(group.layers) for group in self.groups)
-        self.shape = (layers_per_block, 2, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
+        self.shape = (layers_per_block, 2, spec.num_kv_heads, (num_blocks + 1) * block_size, spec.head_dim)
+        self.scratch_slot = num_blocks * block_size
         self.layer_group = [0] * spec.num_layers
         for index, group in enumerate(self.groups):
             for layer in group.layers:
@@ -145,6 +148,11 @@ class PagedKVCache:
     def is_allocated(self) -> bool:
         """False between `release()` and the next `allocate()`."""
         return bool(self.keys)
+
+    @property
+    def storage_address(self) -> int:
+        """The address of the storage (0 while released): it changes when `allocate()` makes a new one."""
+        return self._storage.data_ptr() if self.is_allocated else 0
 
     @property
     def nbytes(self) -> int:

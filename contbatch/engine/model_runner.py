@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import CompileConfig, PreTrainedModel
 
@@ -16,6 +18,7 @@ from contbatch.engine.attention import (
 )
 from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
+from contbatch.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphSettings
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
@@ -39,13 +42,19 @@ class ModelRunner:
 
     `compile_paths` ("decode" / "varlen" -> `CompileConfig`) runs those steps through `torch.compile`d forwards
     (`CompiledForward`, shared by the engines of one model); the others run eagerly.
+
+    `graphs` (settings, or None) replays decode steps whose every request samples from captured graphs
+    (`DecodeGraphs`), through `graph_backend` (CUDA graphs by default).
     """
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache,
-                 compile_paths: dict[str, CompileConfig] | None = None) -> None:
+                 compile_paths: dict[str, CompileConfig] | None = None, graphs: GraphSettings | None = None,
+                 graph_backend: GraphBackend | None = None) -> None:
         self.model = model
         self.cache = cache
         self.compiled = shared_compiled_forward(model, compile_paths) if compile_paths else None
+        self.graphs = None if graphs is None else DecodeGraphs(cache, graphs, graph_backend or CudaGraphBackend())
+        self._weight_addresses = _parameter_addresses(model)
         # sliding groups leave DEAD_BLOCK entries in block tables
         self.windows = tuple(group.sliding_window for group in cache.groups)
         self.has_dead_blocks = any(window is not None for window in self.windows)
@@ -77,19 +86,42 @@ class ModelRunner:
         self._prompt_logprobs = {}
         input_ids, positions, logits_indices, metadata = self.prepare(scheduler_output)
         self.cache.copy_blocks(scheduler_output.block_copies)
-        inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "use_cache": False,
-                  "logits_to_keep": logits_indices}
         path = "decode" if len(input_ids) == len(scheduler_output.requests) else "varlen"
+        num_sampling = sum(1 for entry in scheduler_output.requests if entry.samplers)
+        forward = functools.partial(self._forward, path)
+        if self.graphs is not None and path == "decode" and len(logits_indices) == num_sampling == len(input_ids):
+            logits = self.graphs.run(input_ids, positions, metadata, forward)
+        else:
+            inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0),
+                      "logits_to_keep": logits_indices}
+            logits = forward(inputs, metadata)
+        self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)
+        return logits[:num_sampling]
+
+    def _forward(self, path: str, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata) -> torch.Tensor:
+        """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]."""
         with paged_forward():
             if self.compiled is not None and path in self.compiled.paths:
                 with step_metadata(metadata):
-                    output = self.compiled(path, **inputs, **{METADATA_KWARG: COMPILED_MARKER})
+                    output = self.compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})
             else:
-                output = self.model(**inputs, **{METADATA_KWARG: metadata})
-        logits = output.logits[0]
-        num_sampling = sum(1 for entry in scheduler_output.requests if entry.samplers)
-        self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)
-        return logits[:num_sampling]
+                output = self.model(**inputs, use_cache=False, **{METADATA_KWARG: metadata})
+        return output.logits[0]
+
+    def weights_replaced(self) -> None:
+        """Drops what holds the model's weights as they were: frozen compiled graphs, and captured decode graphs
+        when a parameter has a new storage (graphs read parameters by address: in-place updates keep them)."""
+        if self.compiled is not None and self.compiled.freezes_weights:
+            self.compiled.reset()
+        addresses = _parameter_addresses(self.model)
+        if addresses != self._weight_addresses:
+            self.drop_graphs()
+            self._weight_addresses = addresses
+
+    def drop_graphs(self) -> None:
+        """Drops the captured decode graphs and their memory; later decode steps capture again."""
+        if self.graphs is not None:
+            self.graphs.clear()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, scheduler_output: SchedulerOutput,
@@ -162,6 +194,10 @@ class ModelRunner:
         ])
         return (torch.tensor(token_ids, device=self.device), positions.to(self.device),
                 logits_indices.to(self.device), metadata)
+
+
+def _parameter_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(parameter.data_ptr() for parameter in model.parameters())
 
 
 def _beam_scores(logits: torch.Tensor, targets: list[SamplingTarget]) -> dict[str, torch.Tensor]:

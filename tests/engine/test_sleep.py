@@ -30,7 +30,7 @@ def resident_bytes() -> int:
 def test_paged_cache_release_and_allocate_keep_shape_dtype_and_device() -> None:
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
     cache = PagedKVCache(spec, num_blocks=5, block_size=2, device=torch.device("cpu"))
-    assert cache.is_allocated and cache.nbytes == 3 * 2 * 2 * 10 * 4 * 2
+    assert cache.is_allocated and cache.nbytes == 3 * 2 * 2 * (10 + 2) * 4 * 2  # 5 blocks of 2 slots + scratch
     cache.release()
     cache.release()
     assert not cache.is_allocated and cache.keys == [] and cache.values == [] and cache._storage.numel() == 0
@@ -38,7 +38,7 @@ def test_paged_cache_release_and_allocate_keep_shape_dtype_and_device() -> None:
     storage = cache._storage
     cache.allocate()
     assert cache._storage is storage, "allocate is idempotent"
-    assert storage.shape == (3, 2, 2, 10, 4) and storage.dtype == torch.bfloat16 and storage.device.type == "cpu"
+    assert storage.shape == (3, 2, 2, 12, 4) and storage.dtype == torch.bfloat16 and storage.device.type == "cpu"
     assert len(cache.keys) == len(cache.values) == 3
     assert all(key.data_ptr() == storage[layer, 0].data_ptr() for layer, key in enumerate(cache.keys))
 
