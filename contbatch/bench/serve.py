@@ -1,7 +1,9 @@
 """`contbatch bench --serve`: an online load benchmark of OpenAI-compatible servers on 127.0.0.1.
 
-Each peer (`contbatch serve`, `transformers serve --continuous-batching`) is started as a subprocess, warmed up
-with one request, then sent the first N GSM8K questions as streaming chat requests at Poisson arrival times.
+Each peer (`contbatch serve`, `transformers serve --continuous-batching`, vLLM's server: `serve_peers`) is started
+as a subprocess, warmed up with one request, then sent the first N GSM8K questions as streaming chat requests at
+Poisson arrival times, at most `--max-concurrency` in flight (further arrivals wait for a free slot, as vLLM's own
+`vllm bench serve --max-concurrency` does).
 Per request it records the time to first token (TTFT: from sending the request to the first chunk with
 non-empty content), the inter-token latencies (ITL: gaps between consecutive content chunks, so a chunk
 carrying several tokens counts as one gap) and the completion tokens the server reports in its usage chunk.
@@ -17,31 +19,31 @@ import json
 import math
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-HOST = "127.0.0.1"
-PEERS = ("contbatch", "transformers")
-READY_TIMEOUT_S = 180.0
+from contbatch.bench.serve_peers import (
+    HOST,
+    PEERS,
+    PeerUnavailable,
+    peer_spec,
+    port_free,
+    server_process,
+    stop_process,
+    wait_ready,
+)
+
+__all__ = ["PeerUnavailable", "bench_peer", "format_table", "peer_spec", "run", "stop_process", "wait_ready"]
+
 REQUEST_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 15.0
 WARMUP_TOKENS = 4
-BENCH_MODEL_ID = "bench-model"  # what the contbatch peer serves its model as
-
-
-class PeerUnavailable(RuntimeError):
-    """A peer cannot be benchmarked here (missing dependency, port in use, server died or never got ready)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -180,16 +182,20 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
     return recorder.finish()
 
 
-def chat_payload(model: str, question: str, max_tokens: int) -> dict[str, Any]:
-    """The benchmark's request body: one user turn, greedy, streamed with a usage chunk."""
-    return {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def chat_payload(model: str, question: str, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
+    """The benchmark's request body: one user turn, greedy, streamed with a usage chunk; with `ignore_eos`,
+    vLLM's extra field that makes every request generate `max_tokens` tokens (contbatch takes it too)."""
+    payload = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return {**payload, "ignore_eos": True} if ignore_eos else payload
 
 
 async def run_load(base_url: str, model: str, questions: Sequence[str], max_tokens: int,
-                   schedule: Sequence[float]) -> tuple[list[RequestResult], float]:
-    """Send one chat request per question at `schedule` offsets; return the results (in question order) and
-    the seconds from the first scheduled arrival to the last completion."""
+                   schedule: Sequence[float], max_concurrency: int | None = None,
+                   ignore_eos: bool = False) -> tuple[list[RequestResult], float]:
+    """Send one chat request per question at `schedule` offsets, at most `max_concurrency` at once (None: no
+    bound); return the results (in question order) and the seconds from the first scheduled arrival to the last
+    completion."""
     url = f"{base_url}/v1/chat/completions"
     # trust_env=False: a proxy from the environment must never see loopback benchmark traffic. The pool must
     # hold every in-flight request, or requests would queue client-side and inflate TTFT.
@@ -197,104 +203,15 @@ async def run_load(base_url: str, model: str, questions: Sequence[str], max_toke
     async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
         start = time.perf_counter()
 
+        slots = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
+
         async def one(question: str, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            return await stream_request(client, url, chat_payload(model, question, max_tokens))
+            async with slots:
+                return await stream_request(client, url, chat_payload(model, question, max_tokens, ignore_eos))
 
         results = await asyncio.gather(*(one(q, o) for q, o in zip(questions, schedule, strict=True)))
         return list(results), time.perf_counter() - start
-
-
-@dataclass
-class PeerSpec:
-    """How to start one peer: its command and environment, and the model id its requests must name."""
-
-    name: str
-    command: list[str]
-    env: dict[str, str]
-    model: str
-
-
-def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
-    """Build the server command of peer `name` on 127.0.0.1:`port`, forwarding the engine flags given.
-
-    Raises:
-        PeerUnavailable: transformers' serving dependencies are missing, or the model is not local.
-    """
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
-    cache_flags = ("block_size", "num_blocks", "max_batch_tokens")
-    if name == "contbatch":
-        command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
-                   "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
-                   *_given(args, ("model", "threads", *cache_flags), "--")]
-        return PeerSpec(name, command, env, BENCH_MODEL_ID)
-    from transformers.utils.import_utils import is_serve_available
-
-    from contbatch.data.embedded import resolve_model_dir
-
-    if not is_serve_available():
-        raise PeerUnavailable("`transformers serve` needs fastapi, uvicorn, pydantic and openai "
-                              "(pip install 'transformers[serving]')")
-    try:
-        model_dir = str(resolve_model_dir(args.model))
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
-        raise PeerUnavailable(f"no local model directory for `transformers serve`: {error}") from error
-    # Offline: a model that is not local must fail fast instead of being fetched from the hub.
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--continuous-batching",
-               "--host", HOST, "--port", str(port), "--log-level", "warning", *_given(args, cache_flags, "--cb-")]
-    # The server is pinned to `model_dir` and rejects any other model id.
-    return PeerSpec(name, command, env, model_dir)
-
-
-def _given(args: argparse.Namespace, names: Sequence[str], prefix: str) -> list[str]:
-    """The `PREFIXname value` pairs of the flags in `names` that were given (are not None)."""
-    return [arg for name in names if getattr(args, name) is not None
-            for arg in (prefix + name.replace("_", "-"), str(getattr(args, name)))]
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe, suppress(OSError):
-        probe.bind((HOST, port))
-        return True
-    return False
-
-
-def stop_process(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> None:
-    """Stop `process` and its process group: SIGTERM, then SIGKILL after `timeout` s; returns once reaped."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=timeout)
-            return
-
-
-@contextmanager
-def server_process(spec: PeerSpec, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `spec.command` with its output in `log_path`; it is stopped on exit, whatever the exit."""
-    with open(log_path, "wb") as log:
-        # A session of its own: Ctrl-C reaches only us, and stop_process can signal the server's whole group.
-        process = subprocess.Popen(spec.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   env=spec.env, start_new_session=True)
-        try:
-            yield process
-        finally:
-            stop_process(process)
-
-
-def wait_ready(process: subprocess.Popen[bytes], base_url: str, timeout: float = READY_TIMEOUT_S) -> None:
-    """Poll GET /health until it answers 200. Raises PeerUnavailable if the server exits or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(trust_env=False, timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise PeerUnavailable(f"the server exited with status {process.returncode} before it was ready")
-            with suppress(httpx.HTTPError):  # not listening yet
-                if client.get(f"{base_url}/health").status_code == 200:
-                    return
-            time.sleep(0.25)
-    raise PeerUnavailable(f"the server was not ready within {timeout:.0f} s")
 
 
 @dataclass
@@ -316,7 +233,7 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
 
     Raises PeerUnavailable when the peer cannot run here or fails before the measured run; the reason then
     ends with the tail of the server's log."""
-    if not _port_free(port):
+    if not port_free(port):
         raise PeerUnavailable(f"port {port} on {HOST} is already in use")
     spec = peer_spec(name, args, port)
     base_url = f"http://{HOST}:{port}"
@@ -332,7 +249,8 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
             except PeerUnavailable as error:
                 tail = "\n".join("    " + line for line in log_path.read_text(errors="replace").splitlines()[-15:])
                 raise PeerUnavailable(f"{error}; server log tail:\n{tail}") from error
-            load = run_load(base_url, spec.model, questions, args.max_new_tokens, schedule)
+            load = run_load(base_url, spec.model, questions, args.max_new_tokens, schedule, args.max_concurrency,
+                            args.ignore_eos)
             results, duration = asyncio.run(load)
     return RunSummary(name, results, duration)
 
@@ -342,10 +260,11 @@ def _pair_ms(values: Sequence[float]) -> str:
 
 
 def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int, max_tokens: int,
-                 skipped: Sequence[tuple[str, str]] = ()) -> str:
+                 skipped: Sequence[tuple[str, str]] = (), load: str = "") -> str:
     """Render the runs as a markdown table under a workload line; then a line per skipped peer and per peer
     with failed requests. Throughputs count only ok requests; ITL percentiles pool every ok request's gaps."""
-    lines = [f"rate {rate:g} req/s (Poisson arrivals), N={num_prompts} prompts, M={max_tokens} max tokens", "",
+    lines = [f"rate {rate:g} req/s (Poisson arrivals), N={num_prompts} prompts, M={max_tokens} max tokens"
+             + (f", {load}" if load else ""), "",
              "| engine | requests ok / total | duration s | output tok/s | requests/s | TTFT p50 / p99 (ms) "
              "| ITL p50 / p99 (ms) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -375,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--peers: {args.peers!r} is not a comma-separated subset of {','.join(PEERS)}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     questions = load_prompts(limit=args.num_prompts)
     schedule = poisson_schedule(len(questions), args.rate, args.seed)
     print(f"workload: {len(questions)} GSM8K questions, max_tokens={args.max_new_tokens}, greedy, "
@@ -392,7 +313,9 @@ def run(args: argparse.Namespace) -> int:
         summaries.append(summary)
         print(f"  {name}: {len(summary.ok)}/{len(summary.results)} ok in {summary.duration_s:.1f} s "
               f"({time.perf_counter() - started:.1f} s with start-up)", flush=True)
-    table = format_table(summaries, args.rate, len(questions), args.max_new_tokens, skipped)
+    load = ", ".join(part for part in (f"at most {args.max_concurrency} in flight" if args.max_concurrency else "",
+                                       "ignore_eos" if args.ignore_eos else "") if part)
+    table = format_table(summaries, args.rate, len(questions), args.max_new_tokens, skipped, load)
     print("\n" + table)
     if args.output:
         Path(args.output).write_text(table + "\n")

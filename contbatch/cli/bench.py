@@ -50,7 +50,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--serve", action="store_true",
                        help="benchmark OpenAI-compatible servers under a Poisson request load instead")
     bench.add_argument("--rate", type=float, default=2.0, help="--serve: mean requests/s (inf: all at once)")
-    bench.add_argument("--peers", default="contbatch", help="--serve: comma-separated subset of contbatch,transformers")
+    bench.add_argument("--peers", default="contbatch",
+                       help="--serve: comma-separated subset of contbatch,transformers,vllm (vllm: vLLM's OpenAI "
+                       "server from the environment `make bench-peers` builds)")
+    bench.add_argument("--max-concurrency", type=int, default=None,
+                       help="--serve: at most this many requests in flight (default: no bound)")
+    bench.add_argument("--ignore-eos", action="store_true",
+                       help="--serve: every request generates --max-new-tokens tokens (vLLM's ignore_eos)")
     bench.add_argument("--port-base", type=int, default=8100, help="--serve: the i-th peer listens on port-base + i")
     bench.add_argument("--seed", type=int, default=0, help="--serve: seed of the arrival schedule")
     add_engine_flags(bench)

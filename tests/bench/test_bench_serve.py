@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import random
@@ -10,7 +11,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -140,6 +143,48 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     joined = " ".join(transformers.command)
     assert f"serve {tmp_path} --continuous-batching" in joined and "--cb-block-size 16" in joined
     assert transformers.model == str(tmp_path) and transformers.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_vllm_peer_runs_vllms_server_from_the_peers_environment(tmp_path: Path) -> None:
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    args = _bench_args("--model", str(tmp_path), "--peers-python", str(python), "--max-batch-tokens", "256")
+    spec = bench_serve.peer_spec("vllm", args, 9003)
+    joined = " ".join(spec.command)
+    assert spec.command[:3] == [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert f"--model {tmp_path} --host 127.0.0.1 --port 9003" in joined and "--dtype float32" in joined
+    assert "--max-num-batched-tokens 256" in joined and spec.model == "bench-model"
+    assert spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and spec.env["HF_HUB_OFFLINE"] == "1"
+    missing = _bench_args("--model", str(tmp_path), "--peers-python", str(tmp_path / "nowhere"))
+    with pytest.raises(PeerUnavailable, match="make bench-peers"):
+        bench_serve.peer_spec("vllm", missing, 9003)
+
+
+def test_load_keeps_at_most_max_concurrency_requests_in_flight() -> None:
+    """A stand-in server counts the requests it holds at once; ignore_eos reaches the request body."""
+    state = {"now": 0, "peak": 0, "bodies": []}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        state["bodies"].append(json.loads(request.content))
+        await asyncio.sleep(0.05)
+        state["now"] -= 1
+        body = 'data: {"choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, content=body.encode())
+
+    original = httpx.AsyncClient
+
+    def client(**kwargs: Any) -> httpx.AsyncClient:
+        return original(transport=httpx.MockTransport(handler), **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(httpx, "AsyncClient", client)
+        results, _ = asyncio.run(bench_serve.run_load("http://127.0.0.1:9", "m", ["q"] * 8, 4, [0.0] * 8,
+                                                      max_concurrency=3, ignore_eos=True))
+    assert all(result.ok for result in results) and state["peak"] == 3
+    assert all(body["ignore_eos"] is True for body in state["bodies"])
 
 
 def test_stop_process_kills_a_server_that_ignores_sigterm() -> None:
