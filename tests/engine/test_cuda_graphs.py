@@ -149,3 +149,31 @@ def test_folded_grouped_query_attention_equals_sdpa_with_gqa(num_queries: int) -
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
     folded = attention._folded_gqa_attention(q, k, v, mask, 0.3)
     torch.testing.assert_close(folded, expected, rtol=1e-5, atol=1e-5)
+
+
+@CUDA
+def test_manager_streams_from_cuda_graphs_while_another_thread_trains() -> None:
+    """The manager's engine thread captures and replays graphs while the caller's thread runs a training forward
+    and backward on the same model: streamed tokens equal generate's, and the training forward is the model's own."""
+    from transformers import GenerationConfig
+
+    from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+
+    model = copy.deepcopy(tiny_model("llama")).cuda()
+    prompts = random_prompts(LENGTHS, seed=8)
+    reference = copy.deepcopy(model)
+    batch = torch.tensor([prompts[5][:16]], device="cuda")
+    config = ContinuousBatchingConfig(block_size=8, num_blocks=256, q_padding_interval_size=4)
+    generation = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=10)
+    with ContinuousBatchingManager(model, generation, config) as manager:
+        ids = [manager.add_request(prompt, f"m{index}", streaming=True) for index, prompt in enumerate(prompts)]
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        streams = {request_id: list(manager.request_id_iter(request_id)) for request_id in ids}
+        assert manager.engine.model_runner.graphs is not None and manager.engine.model_runner.graphs.num_captures
+    expected_loss = reference(batch, labels=batch).loss
+    assert torch.equal(loss.detach(), expected_loss.detach())
+    for index, prompt in enumerate(prompts):
+        outputs = streams[f"m{index}"]
+        streamed = [token for output in outputs for token in output.new_tokens]
+        assert outputs[-1].is_finished() and streamed == reference_generate(model, prompt, 10), f"m{index}"
