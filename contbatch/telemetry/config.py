@@ -24,7 +24,8 @@ class Telemetry:
     let `Telemetry.default()` find them.
 
     `Telemetry()` is off: requests cost nothing more than without telemetry and nothing of OpenTelemetry is
-    imported. Two `Telemetry` are equal when they name the same providers and the same detail.
+    imported. Two `Telemetry` are equal when they name the same providers and the same detail. `owns_providers`
+    (set by `from_environment`) lets `shutdown()` shut the providers down.
     """
 
     tracer_provider: TracerProvider | None = None

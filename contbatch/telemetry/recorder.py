@@ -24,6 +24,7 @@ from contbatch.telemetry.config import Telemetry
 from contbatch.telemetry.sinks import MetricsSink, RequestSummary
 
 if TYPE_CHECKING:
+    from contbatch.telemetry.otel_metrics import OtelMetrics
     from contbatch.telemetry.otel_traces import SpanWriter
 
 logger = logging.getLogger("contbatch.telemetry")
@@ -136,7 +137,7 @@ class TelemetryRecorder:
         self.telemetry, self.model_name = telemetry, model_name
         self.sinks: list[MetricsSink] = []
         self.spans: SpanWriter | None = None
-        self._gauges: Any = None
+        self._gauges: OtelMetrics | None = None
         self._warned = False
         if telemetry.tracer_provider is not None:
             from contbatch.telemetry.otel_traces import SpanWriter

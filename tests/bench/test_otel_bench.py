@@ -16,7 +16,8 @@ def test_every_mode_runs_the_workload_and_the_on_modes_export() -> None:
         f"contbatch, {mode} (round {index + 1})" for index, order in enumerate((MODES, (*MODES[1:], MODES[0])))
         for mode in order]
     assert all(r.generated_tokens == 3 * 6 for r in results)
-    assert lines[0].startswith("mean generated tok/s, otel off: ")
-    assert "cost against otel off" in lines[1] and "cost against otel off" in lines[2]
+    assert lines[0].startswith("otel off: mean ") and "cost" not in lines[0]
+    assert lines[1].startswith("otel on: mean ") and "cost against otel off" in lines[1]
+    assert lines[2].startswith("otel on, detailed traces: mean ") and "cost against otel off" in lines[2]
     assert lines[3] == "outputs identical in every mode: yes"
     assert "to /v1/traces" in lines[4] and "to /v1/metrics" in lines[4]
