@@ -16,6 +16,7 @@ from contbatch.frontend.client import EngineClient
 from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, RequestStatus
 from contbatch.scoring import loglikelihood
+from contbatch.telemetry import RequestOrigin, Telemetry
 
 __all__ = [
     "AsyncClient",
@@ -26,9 +27,11 @@ __all__ = [
     "EngineClient",
     "GenerationOutput",
     "LLMEngine",
+    "RequestOrigin",
     "RequestStatus",
     "SamplingParams",
     "StructuredOutput",
+    "Telemetry",
     "add_continuous_batching",
     "continuous_batching_context_manager",
     "generate_batch",

@@ -16,6 +16,7 @@ from contbatch.engine.structured import StructuredOutput
 from contbatch.frontend.output_processor import RequestIds
 from contbatch.manager import ContinuousBatchingManager
 from contbatch.outputs import GenerationOutput, RequestStatus
+from contbatch.telemetry import Telemetry
 
 _MANAGER_ATTRIBUTE = "_contbatch_manager"
 
@@ -30,6 +31,7 @@ def generate_batch(
     persistent_manager: bool = False,
     tokenizer: PreTrainedTokenizerBase | None = None,
     structured_output: StructuredOutput | Sequence[StructuredOutput | None] | None = None,
+    telemetry: Telemetry | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generates for every prompt of `inputs` (lists of token ids) with continuous batching.
@@ -53,7 +55,9 @@ def generate_batch(
     that call (e.g. while an RL trainer trains). Either way the model gets its own attention implementation back before
     this returns. `structured_output` constrains every prompt's output (one `StructuredOutput`) or each prompt's
     (a sequence with one entry, or None, per prompt) and needs the model's `tokenizer`; an invalid grammar fails
-    its prompt's outputs like any bad prompt.
+    its prompt's outputs like any bad prompt. `telemetry` sends a span per request and the metrics to its
+    OpenTelemetry providers (default `Telemetry.default()`: the application's global providers or the `OTEL_*`
+    environment, else off); each request's span is parented on the caller's current span.
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     unknown = set(kwargs) - set(ContinuousBatchingConfig.field_names())
@@ -63,7 +67,8 @@ def generate_batch(
     sources = (kwargs,) if continuous_batching_config else (generation_config, kwargs)
     config = ContinuousBatchingConfig.from_sources(continuous_batching_config, *sources)
     constraints = _per_prompt(structured_output, len(inputs))
-    manager = _manager_for(model, generation_config, config, tokenizer)
+    telemetry = telemetry if telemetry is not None else Telemetry.default()
+    manager = _manager_for(model, generation_config, config, tokenizer, telemetry)
     manager.start()
     try:
         return _run(manager, inputs, max_new_tokens, record_timestamps, progress_bar, constraints)
@@ -84,15 +89,15 @@ def _per_prompt(structured_output: StructuredOutput | Sequence[StructuredOutput 
 
 
 def _manager_for(model: PreTrainedModel, generation_config: GenerationConfig, config: ContinuousBatchingConfig,
-                 tokenizer: PreTrainedTokenizerBase | None) -> ContinuousBatchingManager:
+                 tokenizer: PreTrainedTokenizerBase | None, telemetry: Telemetry) -> ContinuousBatchingManager:
     manager: ContinuousBatchingManager | None = getattr(model, _MANAGER_ATTRIBUTE, None)
     if manager is not None:
         delattr(model, _MANAGER_ATTRIBUTE)
         if (manager.config == config and manager.generation_config == generation_config
-                and manager.tokenizer is tokenizer):
+                and manager.tokenizer is tokenizer and manager.telemetry_config == telemetry):
             return manager
         manager.stop()
-    return ContinuousBatchingManager(model, generation_config, config, tokenizer=tokenizer)
+    return ContinuousBatchingManager(model, generation_config, config, tokenizer=tokenizer, telemetry=telemetry)
 
 
 def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], max_new_tokens: int | None,
@@ -132,10 +137,10 @@ def _failed_output(request_id: str, prompt: Any, error: str) -> GenerationOutput
 
 
 def init_continuous_batching(model: PreTrainedModel, generation_config: GenerationConfig | None = None,
-                             continuous_batching_config: ContinuousBatchingConfig | None = None
-                             ) -> ContinuousBatchingManager:
-    """A manager for `model`, not started yet."""
-    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+                             continuous_batching_config: ContinuousBatchingConfig | None = None,
+                             telemetry: Telemetry | None = None) -> ContinuousBatchingManager:
+    """A manager for `model`, not started yet (`telemetry`: see `EngineClient`)."""
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config, telemetry=telemetry)
 
 
 @contextmanager

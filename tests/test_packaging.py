@@ -1,6 +1,7 @@
 """Packaging: every third-party module the server can import is declared in the core dependencies or in the
-`serve` extra, so that `pip install contbatch[serve]` is enough to serve (issue 15, item 1). Nothing is
-installed: the import closure of the server's modules is read from the source."""
+`serve` extra, so that `pip install contbatch[serve]` is enough to serve (issue 15, item 1); OpenTelemetry, which
+only telemetry imports and only once it is on, comes from the `otel` extra. Nothing is installed: the import
+closure of the server's modules is read from the source."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import ast
 import importlib.metadata
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENTRIES = ["contbatch.cli.serve", "contbatch.entrypoints.openai.app"]
+OTEL_ONLY = {"opentelemetry"}
+OTEL_DISTRIBUTIONS = {"opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
 
 
 def module_path(name: str) -> Path | None:
@@ -22,6 +26,18 @@ def module_path(name: str) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def eager_imports_of(path: Path) -> set[str]:
+    """The modules `path` imports when it is imported: its top-level imports, outside `if TYPE_CHECKING:`."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
 
 
 def imports_of(path: Path) -> set[str]:
@@ -36,8 +52,9 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-def third_party_closure(entries: list[str]) -> set[str]:
-    """The top-level third-party modules imported by `entries` and every contbatch module they import."""
+def third_party_closure(entries: list[str], imports: Callable[[Path], set[str]] = imports_of) -> set[str]:
+    """The top-level third-party modules imported by `entries` and every contbatch module they import (`imports`
+    says what a module imports)."""
     seen: set[str] = set()
     todo, found = list(entries), set()
     while todo:
@@ -48,7 +65,7 @@ def third_party_closure(entries: list[str]) -> set[str]:
         path = module_path(name)
         if path is None:
             continue
-        for imported in imports_of(path):
+        for imported in imports(path):
             top = imported.split(".")[0]
             if top == "contbatch":
                 todo.append(imported)
@@ -71,8 +88,16 @@ def test_every_module_the_server_imports_is_in_the_serve_extra() -> None:
     modules = third_party_closure(SERVER_ENTRIES)
     assert {"fastapi", "uvicorn", "pydantic", "prometheus_client", "llguidance"} <= modules  # the scan sees them
     allowed = declared("serve")
-    missing = {module: distribution_of(module) for module in modules if not distribution_of(module) & allowed}
+    missing = {module: distribution_of(module) for module in modules - OTEL_ONLY
+               if not distribution_of(module) & allowed}
     assert not missing, f"imported by the server but not in `serve` or the core dependencies: {missing}"
+
+
+def test_opentelemetry_is_imported_only_once_telemetry_is_on_and_comes_from_the_otel_extra() -> None:
+    assert third_party_closure(SERVER_ENTRIES) >= OTEL_ONLY  # the scan sees the lazy imports
+    eager = third_party_closure([*SERVER_ENTRIES, "contbatch", "contbatch.telemetry"], eager_imports_of)
+    assert not eager & OTEL_ONLY, "a module imports OpenTelemetry when it is imported, with telemetry off"
+    assert declared("otel") >= OTEL_DISTRIBUTIONS
 
 
 def test_all_installs_every_extra() -> None:

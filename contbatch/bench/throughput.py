@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from contbatch import ContinuousBatchingConfig
+from contbatch import ContinuousBatchingConfig, Telemetry
 from contbatch.api import generate_batch
 
 EosTokenId = int | Sequence[int] | None
@@ -87,13 +87,16 @@ def run_contbatch(
     max_new_tokens: int,
     eos_token_id: EosTokenId,
     config: ContinuousBatchingConfig | None = None,
+    telemetry: Telemetry | None = None,
 ) -> BenchResult:
-    """Run the workload through contbatch's `generate_batch` (greedy)."""
+    """Run the workload through contbatch's `generate_batch` (greedy), reporting to `telemetry` (None: its
+    default)."""
     generation_config = _greedy_config(max_new_tokens, eos_token_id, model.generation_config.pad_token_id)
     warmup = inputs[:_WARMUP_PROMPTS]
-    generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=_WARMUP_NEW_TOKENS)
+    generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=_WARMUP_NEW_TOKENS,
+                   telemetry=telemetry)
     start = time.perf_counter()
-    outputs = generate_batch(model, inputs, generation_config, config, progress_bar=False)
+    outputs = generate_batch(model, inputs, generation_config, config, progress_bar=False, telemetry=telemetry)
     wall = time.perf_counter() - start
     failed = [output.error for output in outputs.values() if output.error is not None]
     if failed:

@@ -32,7 +32,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
     bench.add_argument("--workload",
-                       choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured", "beam"],
+                       choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured", "beam", "otel"],
                        default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
                        "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
@@ -42,8 +42,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "contbatch backend and lm-eval's hf backend (extra `eval`); structured: N GSM8K prompts "
                        "asking for a JSON answer, with and without the JSON schema enforced (extra `structured`); "
                        "beam: N GSM8K prompts, beam search with --num-beams beams, contbatch vs static "
-                       "generate(num_beams) in batches of --static-batch-size")
+                       "generate(num_beams) in batches of --static-batch-size; otel: N GSM8K prompts through "
+                       "contbatch with OpenTelemetry off, on (spans and metrics exported over OTLP/HTTP to a local "
+                       "receiver) and on with detailed traces, --rounds times each, interleaved (extra `otel`)")
     bench.add_argument("--num-beams", type=int, default=4, help="--workload beam: beams per prompt")
+    bench.add_argument("--rounds", type=int, default=3, help="--workload otel: runs of each mode")
     bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
     bench.add_argument("--grpo-steps", type=int, default=3,
                        help="--workload grpo-trl: optimizer steps per trainer (the first is a warm-up)")
@@ -76,6 +79,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_grpo_trl(args)
     if args.workload == "eval":
         return _bench_eval(args)
+    if args.workload == "otel":
+        return _bench_otel(args)
     if args.workload != "throughput":
         return _bench_workload(args)
     from contbatch.bench import throughput, vllm_peer
@@ -217,6 +222,28 @@ def _bench_eval(args: argparse.Namespace) -> int:
     table = benchmark.format_table(benchmark.compare(settings), settings)
     text = f"{table}\n\n{os.cpu_count()} CPUs"
     print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+def _bench_otel(args: argparse.Namespace) -> int:
+    """Run `contbatch bench --workload otel`: contbatch with telemetry off and on, interleaved; print the table."""
+    from contbatch.bench import telemetry, throughput
+    from contbatch.data.embedded import load_model_and_tokenizer
+    from contbatch.data.prompts import chat_inputs, load_prompts
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), greedy, "
+          f"max_new_tokens={args.max_new_tokens}; {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
+          flush=True)
+    results, lines = telemetry.run_otel(model, inputs, args.max_new_tokens, eos, engine_config(args), args.rounds)
+    num_params = sum(parameter.numel() for parameter in model.parameters())
+    table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    text = "\n".join([table, "", *lines])
+    print("\n" + text)
     if args.output:
         Path(args.output).write_text(text + "\n")
     return 0

@@ -26,6 +26,12 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
                             "tokenizer has one, else hermes)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for compatibility with `vllm serve`; tool_choice='auto' is always enabled")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send a span per request over OTLP/HTTP to URL (e.g. http://127.0.0.1:4318; a URL "
+                            "without a path gets /v1/traces); the OTEL_* environment variables configure the rest "
+                            "(extra `otel`, docs/monitoring.md)")
+    serve.add_argument("--detailed-traces", action="store_true",
+                       help="with tracing on, also a span per engine step (schedule, forward, sample)")
     add_engine_flags(serve)
 
 
@@ -36,13 +42,15 @@ def _serve(args: argparse.Namespace) -> int:
     from contbatch.data.embedded import load_model_and_tokenizer
     from contbatch.entrypoints.openai.app import create_app
     from contbatch.manager import ContinuousBatchingManager
+    from contbatch.telemetry import Telemetry
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     config = ContinuousBatchingConfig.from_sources(engine_config(args), {"max_queue_size": args.max_queue_size})
     name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
     # queue_timeout=0: with --max-queue-size, a full queue answers 503 at once instead of blocking the event loop.
+    telemetry = Telemetry.default(args.otlp_traces_endpoint, args.detailed_traces)
     manager = ContinuousBatchingManager(model, model.generation_config, config, queue_timeout=0.0,
-                                        tokenizer=tokenizer)
+                                        tokenizer=tokenizer, telemetry=telemetry)
     manager.start()
     try:
         app = create_app(manager, tokenizer, name, args.api_key, args.max_body_bytes, args.tool_call_parser)

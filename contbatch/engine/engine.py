@@ -31,6 +31,7 @@ from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
+from contbatch.engine.step_timer import NO_STEP_TIMER, StepTimer
 from contbatch.engine.structured import GrammarCompiler
 from contbatch.engine.weights import WeightsFingerprint
 
@@ -98,6 +99,7 @@ class LLMEngine:
         self.model = model
         self._weights: WeightsFingerprint | None = None
         self.num_scheduled_tokens_total = 0
+        self.step_timer: StepTimer = NO_STEP_TIMER
 
     def close(self) -> None:
         """Restores the model's own attention implementation."""
@@ -274,18 +276,23 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Runs one step: schedule -> forward -> sample -> update. Returns the deltas of the requests that
         produced a token or went through an event; a failing forward or sampler fails this step's requests."""
+        timer = self.step_timer
+        timer.begin()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.waiting and self.scheduler.preempt_idle():
             scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return self.beam_search.update(self._fail_unschedulable(), {})
         self.num_scheduled_tokens_total += scheduler_output.total_num_scheduled_tokens
+        timer.scheduled(self.scheduler, scheduler_output)
         try:
             logits = self.model_runner.execute(scheduler_output)
+            timer.forwarded()
             runner_output = self.model_runner.sample(logits, scheduler_output)
         except Exception as error:  # a failing batch fails its own requests, never the engine
             failed = self._fail_batch(scheduler_output.requests, f"{type(error).__name__}: {error}")
             return self.beam_search.update(failed, {})
+        timer.sampled()
         deltas = self.scheduler.update_from_output(scheduler_output, runner_output)
         return self.beam_search.update(deltas, runner_output.beam_scores)
 
@@ -306,7 +313,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool = self.block_pool
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           1.0 - pool.num_free_blocks / pool.num_blocks, self.is_sleeping)
+                           1.0 - pool.num_free_blocks / pool.num_blocks, self.is_sleeping, pool.num_blocks,
+                           pool.num_free_blocks, pool.num_cached_blocks)
 
     @property
     def is_sleeping(self) -> bool:

@@ -118,9 +118,14 @@ class ModelRunnerOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A snapshot of the engine's load; `is_sleeping` while the KV cache's memory is given back (`sleep()`)."""
+    """A snapshot of the engine's load; `is_sleeping` while the KV cache's memory is given back (`sleep()`).
+    `num_free_blocks` counts the blocks a request can take (evictable cached ones included); `num_cached_blocks`
+    the blocks holding a cached prefix, in use or evictable."""
 
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     is_sleeping: bool = False
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0

@@ -17,6 +17,7 @@ from contbatch.frontend.detokenizer import IncrementalDetokenizer
 from contbatch.frontend.engine_loop import AddRequests, CancelRequest, EngineCall, EngineLoop, LoopState
 from contbatch.frontend.output_processor import RequestIds, RequestState
 from contbatch.frontend.output_router import ResultHandler
+from contbatch.telemetry import MetricsSink, RequestOrigin, Telemetry, TelemetryRecorder
 
 DEFAULT_QUEUE_TIMEOUT = 60.0
 
@@ -39,16 +40,21 @@ class EngineClient:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """`queue_timeout`: how long `add_request` waits for room when `max_queue_size` requests are waiting.
         `tokenizer`: needed for text outputs, stop strings (`add_request(detokenize=True, stop=...)`) and
-        structured outputs (`add_request(structured_output=...)`)."""
+        structured outputs (`add_request(structured_output=...)`). `telemetry`: where the requests' spans and
+        metrics go (default `Telemetry.default()`: the application's global providers or the `OTEL_*`
+        environment, else off)."""
         self.model = model
         self.generation_config = generation_config or model.generation_config
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.tokenizer = tokenizer
+        self.telemetry_config = telemetry if telemetry is not None else Telemetry.default()
+        self.telemetry = TelemetryRecorder(self.telemetry_config, _model_name(model))
         self._loop = EngineLoop(lambda: LLMEngine(self.model, self.generation_config, self.config, self.tokenizer),
-                                self.config.max_queue_size, queue_timeout)
+                                self.config.max_queue_size, queue_timeout, self.telemetry)
         self._ids = RequestIds()
 
     @property
@@ -103,6 +109,7 @@ class EngineClient:
         n: int = 1,
         stop: Sequence[str] | None = None,
         detokenize: bool = False,
+        origin: RequestOrigin | None = None,
         **sampling: Any,
     ) -> str:
         """Submits a request; returns its id. A streaming request gets an output after every token, the others
@@ -119,8 +126,10 @@ class EngineClient:
         `seed + j` when a seed is given); the prompt is computed once, and the samples share its KV blocks (a
         partly filled last block is copied when a sample first writes into it). With `detokenize` (or `stop`
         strings) outputs carry `text`; a stop string ends the request with reason "stop", the text cut before
-        it. Both need the manager's tokenizer. Raises ValueError for bad input or a duplicate id, RuntimeError
-        after `stop()` or when the queue stays full for `queue_timeout` seconds."""
+        it. Both need the manager's tokenizer. `origin` names the request's operation, model and parent trace
+        context for its span and metrics (default: a text completion of the client's model, parented on the
+        calling thread's current span). Raises ValueError for bad input or a duplicate id, RuntimeError after
+        `stop()` or when the queue stays full for `queue_timeout` seconds."""
         if self._loop.state >= LoopState.STOPPING:
             raise RuntimeError("the manager is stopped: call start() before adding requests")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -140,6 +149,10 @@ class EngineClient:
                         for j, rid in enumerate(ids)]
         states = [RequestState(rid, requests[0].prompt_ids, streaming, record_timestamps,
                                self._detokenizer(stop, detokenize)) for rid in ids]
+        if self.telemetry.active:
+            for state in states:
+                state.telemetry = self.telemetry.open(state.request_id, len(state.prompt_ids), requests[0].params,
+                                                      origin, state.created_time)
         self._reserve(ids)
         self._loop.submit(AddRequests(requests, states))
         return request_id
@@ -165,6 +178,11 @@ class EngineClient:
                 router.discard(rid)
             gate.release(reserved)
             raise
+
+    def add_metrics_sink(self, sink: MetricsSink) -> None:
+        """Sends contbatch's metrics (requests submitted from now on, every step) to `sink` too, beside the
+        OpenTelemetry instruments; the server's Prometheus collectors are one."""
+        self._loop.add_metrics_sink(sink)
 
     def cancel_request(self, request_id: str) -> None:
         """Cancels a request: it gets a CANCELLED output with its tokens so far and its blocks are freed. An
@@ -211,3 +229,10 @@ class EngineClient:
         except RuntimeError:
             raise RuntimeError("register_result_handler must be called from a running asyncio event loop") from None
         self._loop.router.register_handler(request_id, loop, callback)
+
+
+def _model_name(model: PreTrainedModel) -> str:
+    """The model's name for telemetry (`gen_ai.request.model`): the last part of its `name_or_path`, else its
+    class name."""
+    name = str(getattr(model, "name_or_path", "") or "").rstrip("/").rsplit("/", 1)[-1]
+    return name or type(model).__name__

@@ -19,6 +19,7 @@ from contbatch.engine.request import Request, RequestStatus
 from contbatch.frontend.output_processor import OutputProcessor, RequestState
 from contbatch.frontend.output_router import OutputRouter
 from contbatch.outputs import GenerationOutput
+from contbatch.telemetry import MetricsSink, Telemetry, TelemetryRecorder
 
 T = TypeVar("T")
 
@@ -111,11 +112,12 @@ class EngineLoop:
 
     Only the loop's thread touches the engine once started (clients may call `engine.make_request`, which reads
     fixed settings only). Every request gets exactly one terminal output. If the thread dies, every waiter of
-    the router gets the error at once.
+    the router gets the error at once. `telemetry` records the requests and steps (off by default).
     """
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_queue_size: int = 0,
-                 queue_timeout: float = 60.0) -> None:
+                 queue_timeout: float = 60.0, telemetry: TelemetryRecorder | None = None) -> None:
+        self.telemetry = telemetry or TelemetryRecorder(Telemetry(), "")
         self._engine_factory = engine_factory
         self._engine: LLMEngine | None = self._new_engine()
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -152,6 +154,8 @@ class EngineLoop:
             self._engine = self._new_engine()
         engine = self._engine
         engine.model_runner.attach()
+        engine.step_timer = self.telemetry.step_timer()
+        self.telemetry.watch(self)
         self.state = LoopState.RUNNING
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the engine thread inherits ours
         self._thread = threading.Thread(target=self._run, args=(engine, threads), name="contbatch-engine",
@@ -174,6 +178,12 @@ class EngineLoop:
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def add_metrics_sink(self, sink: MetricsSink) -> None:
+        """Sends the numbers of later requests and of every step to `sink` too (see `TelemetryRecorder`)."""
+        self.telemetry.add_sink(sink)
+        if self._engine is not None:
+            self._engine.step_timer = self.telemetry.step_timer()
 
     def submit(self, command: Command) -> None:
         self._inbox.put(command)
@@ -210,6 +220,7 @@ class EngineLoop:
             self.state = LoopState.FAILED
             self._fail_all(error)
         finally:
+            self.telemetry.unwatch(self)
             self.router.close()
             self._release_engine(self._keep_engine)
 

@@ -15,6 +15,7 @@ from contbatch.engine.outputs import PromptLogprob, RequestDelta
 from contbatch.engine.request import RequestStatus
 from contbatch.frontend.detokenizer import IncrementalDetokenizer
 from contbatch.outputs import GenerationOutput
+from contbatch.telemetry import RequestTelemetry
 
 
 class RequestIds:
@@ -43,7 +44,8 @@ class RequestState:
     `streaming` requests get an output after every delta that brings tokens (or text); the others get only
     their final output. With a `detokenizer`, outputs carry text, and a stop string ends the request (reason
     "stop") with the text cut before it. Prompt logprobs entries accumulate as their deltas come (a prompt
-    computed in chunks sends them chunk by chunk); every output carries those received so far.
+    computed in chunks sends them chunk by chunk); every output carries those received so far. With `telemetry`,
+    each delta is recorded there, and the processor closes it with the final output.
     """
 
     request_id: str
@@ -65,9 +67,12 @@ class RequestState:
     num_reported: int = 0
     num_chunks_reported: int = 0
     sequence_score: float | None = None
+    telemetry: RequestTelemetry | None = None
 
     def apply(self, delta: RequestDelta) -> GenerationOutput | None:
         """Adds `delta`; returns the output to deliver for it, if any."""
+        if self.telemetry is not None:
+            self.telemetry.observe(delta)
         new = delta.new_token_ids
         self.generated.extend(new)
         if delta.new_logprobs is not None:
@@ -160,6 +165,8 @@ class OutputProcessor:
             result.outputs.append(output)
             if output.is_finished():
                 del self.states[delta.request_id]
+                if state.telemetry is not None:
+                    state.telemetry.finish(output)
                 if not delta.is_finished:
                     result.stopped.append(delta.request_id)
         return result
@@ -174,6 +181,8 @@ class OutputProcessor:
             if state is not None:
                 state.status, state.finish_reason, state.error = status, reason, error
                 outputs.append(state.output())
+                if state.telemetry is not None:
+                    state.telemetry.finish(outputs[-1])
         return outputs
 
 

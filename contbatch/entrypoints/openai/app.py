@@ -29,13 +29,17 @@ def create_app(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, model_n
     Requests are tokenized and outputs detokenized with `tokenizer` (which becomes the client's tokenizer if it
     has none). With `api_key`, every /v1 route requires `Authorization: Bearer <api_key>`. `tool_call_parser`
     names the parser of chat replies' tool calls (see `tool_parsers.TOOL_PARSERS`); an unknown name, or
-    "transformers" for a tokenizer without a response template, raises ValueError."""
+    "transformers" for a tokenizer without a response template, raises ValueError. Each request's span (with the
+    engine client's telemetry) is parented on the HTTP request's `traceparent`; `/metrics` gets the engine's
+    numbers through `engine.add_metrics_sink`."""
     check_tool_parser(tool_call_parser, tokenizer)
     if engine.tokenizer is None:
         engine.tokenizer = tokenizer
     app = FastAPI(title="contbatch", version="0.1.0")
+    metrics = ServerMetrics(engine)
+    engine.add_metrics_sink(metrics)
     app.state.contbatch = ServerState(engine, AsyncClient(engine), tokenizer, model_name, api_key, max_body_bytes,
-                                      ServerMetrics(engine), tool_call_parser, TemplateSupport.probe(tokenizer))
+                                      metrics, tool_call_parser, TemplateSupport.probe(tokenizer))
     app.middleware("http")(_guard)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR, APIError, Sampl
 from contbatch.frontend.async_client import AsyncClient, ChoiceOutput, GenerationStream
 from contbatch.frontend.client import EngineClient
 from contbatch.outputs import RequestStatus
+from contbatch.telemetry import RequestOrigin
 
 if TYPE_CHECKING:
     from contbatch.engine.engine import LLMEngine
@@ -138,7 +139,8 @@ async def respond(state: ServerState, http: Request, body: SamplingFields, call:
                   shaping: ShaperFactory | None = None) -> Response:
     """Runs `call` and answers it (SSE when `body.stream`). A client that disconnects has its choices cancelled.
     With `shaping` (chat only), each choice's message or deltas come from its own `shaping()` shaper."""
-    choices = _submit(state, body, call)
+    origin = state.client.telemetry.origin("chat" if call.chat else "text_completion", state.model_name, http.headers)
+    choices = _submit(state, body, call, origin)
     echo = None
     if call.echo:
         echo = Echo(call.prompt_texts or [state.tokenizer.decode(prompt) for prompt in call.prompts], body.n)
@@ -188,8 +190,9 @@ def _default_top_k(state: ServerState) -> int | None:
     return None if any(getattr(config, "top_k", None) is not None for config in configs) else 0
 
 
-def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -> Choices:
-    """Checks every prompt, then submits them all (or none: a failure cancels those already submitted)."""
+def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest, origin: RequestOrigin) -> Choices:
+    """Checks every prompt, then submits them all (or none: a failure cancels those already submitted), each
+    traced as coming from `origin`."""
     sampling = _sampling(body, call, _default_top_k(state))
     _validate(state, call, sampling)
     streams: list[GenerationStream] = []
@@ -198,7 +201,7 @@ def _submit(state: ServerState, body: SamplingFields, call: GenerationRequest) -
             streams.append(state.async_client.submit(
                 prompt, request_id=call.prompt_request_id(index), n=body.n, max_new_tokens=call.max_tokens,
                 streaming=body.stream, stop=body.stop_strings(), detokenize=True, record_timestamps=True,
-                **sampling))
+                origin=origin, **sampling))
     except ValueError as error:
         _cancel(streams)
         raise APIError(400, _named(call, len(streams), error), code="invalid_request", param="prompt") from None
