@@ -9,7 +9,7 @@ import ast
 import importlib.metadata
 import sys
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -30,20 +30,17 @@ def module_path(name: str) -> Path | None:
 
 def eager_imports_of(path: Path) -> set[str]:
     """The modules `path` imports when it is imported: its top-level imports, outside `if TYPE_CHECKING:`."""
-    names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return _imported_names(ast.parse(path.read_text()).body)
 
 
 def imports_of(path: Path) -> set[str]:
     """Every module `path` imports, at any depth of its code (lazy imports inside functions included)."""
+    return _imported_names(ast.walk(ast.parse(path.read_text())))
+
+
+def _imported_names(nodes: Iterable[ast.AST]) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

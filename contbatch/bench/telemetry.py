@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from statistics import mean
 
@@ -24,23 +24,19 @@ from contbatch.bench.throughput import BenchResult, EosTokenId, run_contbatch
 MODES = ("otel off", "otel on", "otel on, detailed traces")
 
 
-@dataclass
 class OtlpSink:
-    """A collector stand-in on 127.0.0.1: answers 200 to every OTLP/HTTP export and counts them by path."""
+    """A collector stand-in on 127.0.0.1: answers 200 to every OTLP/HTTP export and keeps its body by path."""
 
-    exports: dict[str, int] = field(default_factory=dict)
-    bytes_received: int = 0
-
-    def __post_init__(self) -> None:
-        lock, sink = threading.Lock(), self
+    def __init__(self) -> None:
+        self.bodies: dict[str, list[bytes]] = {}
+        self.lock = threading.Lock()
+        received, lock = self.bodies, self.lock
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                size = int(self.headers.get("content-length", 0))
-                self.rfile.read(size)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 with lock:
-                    sink.exports[self.path] = sink.exports.get(self.path, 0) + 1
-                    sink.bytes_received += size
+                    received.setdefault(self.path, []).append(body)
                 self.send_response(200)
                 self.send_header("content-length", "0")
                 self.end_headers()
@@ -51,6 +47,21 @@ class OtlpSink:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def received(self, path: str) -> list[bytes]:
+        """The bodies exported to `path` so far, in arrival order."""
+        with self.lock:
+            return list(self.bodies.get(path, []))
+
+    @property
+    def exports(self) -> dict[str, int]:
+        with self.lock:
+            return {path: len(bodies) for path, bodies in self.bodies.items()}
+
+    @property
+    def bytes_received(self) -> int:
+        with self.lock:
+            return sum(len(body) for bodies in self.bodies.values() for body in bodies)
 
     def close(self) -> None:
         self.server.shutdown()

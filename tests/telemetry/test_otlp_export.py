@@ -7,10 +7,8 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,52 +18,27 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from contbatch.bench.serve import stop_process, wait_ready
+from contbatch.bench.telemetry import OtlpSink
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 
 
-class Receiver:
-    """An OTLP/HTTP receiver: keeps the body of every POST by path and answers 200."""
-
-    def __init__(self) -> None:
-        self.bodies: dict[str, list[bytes]] = {}
-        self.lock = threading.Lock()
-        received, lock = self.bodies, self.lock
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                with lock:
-                    received.setdefault(self.path, []).append(body)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+class Receiver(OtlpSink):
+    """The bench's OTLP/HTTP receiver, with the exported protobuf decoded."""
 
     def spans(self) -> list[tuple[dict[str, str], Span]]:
         """Every span received, with its resource's string attributes."""
-        with self.lock:
-            bodies = list(self.bodies.get("/v1/traces", []))
         found = []
-        for body in bodies:
+        for body in self.received("/v1/traces"):
             for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
                 resource = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
                 found += [(resource, span) for scope in resource_spans.scope_spans for span in scope.spans]
         return found
 
     def metric_names(self) -> set[str]:
-        with self.lock:
-            bodies = list(self.bodies.get("/v1/metrics", []))
-        return {metric.name for body in bodies
+        return {metric.name for body in self.received("/v1/metrics")
                 for resource in ExportMetricsServiceRequest.FromString(body).resource_metrics
                 for scope in resource.scope_metrics for metric in scope.metrics}
 
@@ -74,7 +47,7 @@ class Receiver:
 def receiver() -> Iterator[Receiver]:
     receiving = Receiver()
     yield receiving
-    receiving.server.shutdown()
+    receiving.close()
 
 
 def _free_port() -> int:
