@@ -22,7 +22,15 @@ from contbatch.engine.cuda_graphs import (
     round_up,
 )
 from contbatch.engine.engine import LLMEngine
-from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import (
+    add_samples,
+    fresh_tiny_model,
+    make_engine,
+    random_prompts,
+    reference_generate,
+    run_engine,
+    tiny_model,
+)
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 5, 9, 15, 2, 26]
 MAX_NEW = [14, 9, 12, 3, 10, 6, 13, 8, 11, 5, 7]
@@ -75,6 +83,43 @@ def test_sampled_tokens_and_logprobs_match_the_unpadded_run() -> None:
     for request_id, output in plain.items():
         assert padded_run[request_id].generated_tokens == output.generated_tokens
         assert padded_run[request_id].logprobs == pytest.approx(output.logprobs, abs=1e-4)
+
+
+def _mixed_run(padded: bool) -> tuple[dict[str, list], int]:
+    """Beam search beside seeded n samples, penalties, biases, top logprobs and prompt logprobs; returns each
+    finished output's tokens, logprobs, top logprobs, prompt logprobs and score, and the graphs captured."""
+    model = tiny_model("llama")
+    prompts = random_prompts([6, 11, 17, 4, 9], seed=9)
+    with make_engine(model, block_size=4, num_blocks=40, max_batch_tokens=24) as engine:
+        graphs = with_eager_graphs(engine, GraphSettings(batch_interval=4, kv_interval=8, max_graphs=4))
+        if not padded:
+            engine.model_runner.graphs = None
+        engine.add(engine.make_request(prompts[0], "beam", 6, num_beams=3, num_return_sequences=2))
+        add_samples(engine, prompts[1], "n", 3, max_new_tokens=7, do_sample=True, temperature=0.9, top_p=0.9,
+                    seed=5, logprobs=True, top_logprobs=2, logprobs_mode="processed")
+        engine.add_request(prompts[2], "pen", 8, repetition_penalty=1.4, frequency_penalty=0.5,
+                           logit_bias={7: 2.0}, logprobs=True)
+        engine.add_request(prompts[3], "plp", 5, prompt_logprobs=2)
+        engine.add_request(prompts[4], "plain", 9)
+        finished = run_engine(engine)
+    return {rid: [out.generated_tokens, out.logprobs, out.top_logprobs, out.prompt_logprobs, out.sequence_score]
+            for rid, out in finished.items()}, graphs.num_captures
+
+
+def test_every_decoding_feature_is_unchanged_by_padded_graphs() -> None:
+    (plain, _), (padded, captures) = _mixed_run(False), _mixed_run(True)
+    assert captures >= 2
+    assert plain.keys() == padded.keys() and {"beam_0", "beam_1", "n_2", "pen", "plp"} <= plain.keys()
+    for request_id, (tokens, logprobs, top, prompt, score) in plain.items():
+        other = padded[request_id]
+        assert other[0] == tokens and other[3] == prompt, request_id
+        assert (other[1] is None) == (logprobs is None) and (other[4] is None) == (score is None), request_id
+        if logprobs is not None:
+            assert other[1] == pytest.approx(logprobs, abs=1e-4), request_id
+        if score is not None:
+            assert other[4] == pytest.approx(score, abs=1e-4), request_id
+        if top is not None:
+            assert [[token for token, _ in step] for step in other[2]] == [[t for t, _ in step] for step in top]
 
 
 def test_graphs_are_dropped_when_the_cache_storage_or_a_parameter_storage_changes() -> None:
