@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/contbatch generate --limit 32 --max-new-tokens 128 --output demo_results.jsonl --show 3
+	$(BIN)/contbatch generate --limit 32 --max-new-tokens 128 --output demo_results.jsonl --overwrite --show 3
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
