@@ -5,7 +5,7 @@ out, a bounded number in flight on one manager), shared with the Ray integration
 file, its settings record and resume; `JobInput` reads JSONL, CSV, Parquet and dataset directories lazily."""
 
 from contbatch.jobs.items import JobItem, id_key, item_from_line, item_from_record
-from contbatch.jobs.job import JobSummary, generation_config, pending_items, run_job
+from contbatch.jobs.job import JobProgress, JobSummary, generation_config, pending_items, run_job
 from contbatch.jobs.output import OutputLog, ResumeState, record_failed, record_id
 from contbatch.jobs.records import error_record, result_record
 from contbatch.jobs.sources import JobInput
@@ -15,6 +15,7 @@ __all__ = [
     "Finished",
     "JobInput",
     "JobItem",
+    "JobProgress",
     "JobSettings",
     "JobSummary",
     "OutputLog",

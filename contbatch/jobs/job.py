@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -14,7 +15,7 @@ from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.jobs.items import JobItem
 from contbatch.jobs.output import OutputLog, ResumeState
 from contbatch.jobs.sources import JobInput
-from contbatch.jobs.stream import Finished, JobSettings, RecordStream
+from contbatch.jobs.stream import JobSettings, RecordStream
 from contbatch.manager import ContinuousBatchingManager
 
 
@@ -81,34 +82,53 @@ def run_job(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, job_inpu
         ValueError: the output was made with other settings (see `OutputLog.open`).
         RuntimeError: the engine thread died (every line written so far stays).
     """
-    resume = output.open()
-    summary = JobSummary(succeeded=resume.succeeded, failed=resume.failed)
-    total = job_input.count()
-    total = min(total, limit) if total is not None and limit is not None else (total if limit is None else limit)
-    bar = tqdm(total=total, initial=len(resume.done), disable=not progress, unit="line", dynamic_ncols=True)
-    start = time.perf_counter()
+    run = JobProgress(output, job_input, limit, progress)
     manager = ContinuousBatchingManager(model, generation_config(model, tokenizer, settings), engine_config,
                                         tokenizer=tokenizer)
     try:
         with manager:
-            items = pending_items(job_input, resume, summary, limit)
+            items = pending_items(job_input, run.resume, run.summary, limit)
             for finished in RecordStream(manager, tokenizer, settings).run(items):
-                output.write(finished.record)
-                _count(summary, finished, bar, time.perf_counter() - start)
+                run.write(finished.record, finished.failed, finished.generated_tokens)
     finally:
-        summary.wall_s = time.perf_counter() - start
-        bar.close()
-        output.close()
-    if total is None or summary.succeeded + summary.failed >= total:
-        output.finish_parquet()
-    return summary
+        run.close()
+    return run.finish()
 
 
-def _count(summary: JobSummary, finished: Finished, bar: tqdm, elapsed: float) -> None:
-    """Count one written line into `summary` and the progress bar (tok/s and failures beside done/total/ETA)."""
-    summary.failed += finished.failed
-    summary.succeeded += not finished.failed
-    summary.generated_tokens += finished.generated_tokens
-    bar.update(1)
-    bar.set_postfix({"tok/s": f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}", "failed": summary.failed},
-                    refresh=False)
+class JobProgress:
+    """The bookkeeping of one run over an `OutputLog`: opens it (`resume`: what it holds), counts each line written
+    into `summary` and the progress bar (done/total, ETA, tok/s, failures), and closes it."""
+
+    def __init__(self, output: OutputLog, job_input: JobInput, limit: int | None, progress: bool) -> None:
+        self.output = output
+        self.resume: ResumeState = output.open()
+        self.summary = JobSummary(succeeded=self.resume.succeeded, failed=self.resume.failed)
+        total = job_input.count()
+        self.total = limit if total is None else (total if limit is None else min(total, limit))
+        self.bar = tqdm(total=self.total, initial=len(self.resume.done), disable=not progress, unit="line",
+                        dynamic_ncols=True)
+        self.start = time.perf_counter()
+
+    def write(self, record: dict[str, Any], failed: bool, generated_tokens: int) -> None:
+        """Appends one output line and counts it."""
+        self.output.write(record)
+        summary = self.summary
+        summary.failed += failed
+        summary.succeeded += not failed
+        summary.generated_tokens += generated_tokens
+        self.bar.update(1)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix({"tok/s": f"{summary.generated_tokens / elapsed:.0f}", "failed": summary.failed},
+                             refresh=False)
+
+    def close(self) -> None:
+        """Records the wall time and closes the bar and the output (every line written so far stays)."""
+        self.summary.wall_s = time.perf_counter() - self.start
+        self.bar.close()
+        self.output.close()
+
+    def finish(self) -> JobSummary:
+        """After `close`: converts the output to Parquet when asked for and every line is done; the summary."""
+        if self.total is None or self.summary.succeeded + self.summary.failed >= self.total:
+            self.output.finish_parquet()
+        return self.summary

@@ -4,19 +4,17 @@ replicas (Ray actors), each result line written by the driver as its batch retur
 from __future__ import annotations
 
 import itertools
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.data.embedded import resolve_model_dir
 from contbatch.integrations.ray.replica import ContbatchPredictor
-from contbatch.jobs import JobInput, JobItem, JobSettings, JobSummary, OutputLog, pending_items
+from contbatch.jobs import JobInput, JobItem, JobProgress, JobSettings, JobSummary, OutputLog, pending_items
 
 
 @dataclass(frozen=True)
@@ -62,35 +60,20 @@ def run_ray_job(model: str | None, job_input: JobInput, output_path: str, settin
     import ray
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
-    output = OutputLog(output_path, settings.record(tokenizer), overwrite, retry_failed)
-    resume = output.open()
-    summary = JobSummary(succeeded=resume.succeeded, failed=resume.failed)
-    total = job_input.count()
-    total = min(total, limit) if total is not None and limit is not None else (total if limit is None else limit)
-    bar = tqdm(total=total, initial=len(resume.done), disable=not progress, unit="line", dynamic_ncols=True)
-    start = time.perf_counter()
+    run = JobProgress(OutputLog(output_path, settings.record(tokenizer), overwrite, retry_failed), job_input, limit,
+                      progress)
     replicas: list[Any] = []
     try:
         replicas, _ = start_replicas(model, settings, engine_config, options)
-        batches = _batches(pending_items(job_input, resume, summary, limit), options.batch_size)
+        batches = _batches(pending_items(job_input, run.resume, run.summary, limit), options.batch_size)
         for results in _dispatch(replicas, batches, options.batches_per_replica):
             for record, failed, tokens in results:
-                output.write(record)
-                summary.failed += failed
-                summary.succeeded += not failed
-                summary.generated_tokens += tokens
-                bar.update(1)
-            bar.set_postfix({"tok/s": f"{summary.generated_tokens / (time.perf_counter() - start):.0f}",
-                             "failed": summary.failed}, refresh=False)
+                run.write(record, failed, tokens)
     finally:
-        summary.wall_s = time.perf_counter() - start
-        bar.close()
-        output.close()
+        run.close()
         for replica in replicas:
             ray.kill(replica, no_restart=True)
-    if total is None or summary.succeeded + summary.failed >= total:
-        output.finish_parquet()
-    return summary
+    return run.finish()
 
 
 def _batches(items: Iterator[JobItem], size: int) -> Iterator[list[JobItem]]:
