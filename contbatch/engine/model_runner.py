@@ -109,10 +109,12 @@ class ModelRunner:
         return output.logits[0]
 
     def weights_replaced(self) -> None:
-        """Drops what holds the model's weights as they were: frozen compiled graphs, and captured decode graphs
-        when a parameter has a new storage (graphs read parameters by address: in-place updates keep them)."""
+        """Drops what holds the model's weights as they were: frozen compiled graphs (and the decode graphs
+        captured from them), and captured decode graphs when a parameter has a new storage (graphs read
+        parameters by address: in-place updates keep them)."""
         if self.compiled is not None and self.compiled.freezes_weights:
             self.compiled.reset()
+            self.drop_graphs()
         addresses = _parameter_addresses(self.model)
         if addresses != self._weight_addresses:
             self.drop_graphs()
