@@ -42,14 +42,14 @@ def build_model(shape: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def run_contbatch(model: torch.nn.Module, inputs: list[list[int]], max_new: int,
-                  config: ContinuousBatchingConfig) -> tuple[float, list[list[int]], str]:
+                  config: ContinuousBatchingConfig) -> tuple[float, list[list[int]]]:
     generation = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
     generate_batch(model, inputs[:4], generation, config, progress_bar=False, max_new_tokens=4)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = generate_batch(model, inputs, generation, config, progress_bar=False)
     wall = time.perf_counter() - start
-    return wall, [outputs[f"req_{i}"].generated_tokens for i in range(len(inputs))], ""
+    return wall, [outputs[f"req_{i}"].generated_tokens for i in range(len(inputs))]
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def main() -> None:
         if engine in ("graphs", "eager", "compiled-graphs"):
             config = replace(base, use_cuda_graph=engine != "eager",
                              use_default_compile_configs=engine == "compiled-graphs")
-            wall, outputs[engine], _ = run_contbatch(model, inputs, args.max_new_tokens, config)
+            wall, outputs[engine] = run_contbatch(model, inputs, args.max_new_tokens, config)
             name = f"contbatch, decode CUDA graphs {'off' if engine == 'eager' else 'on'}"
             name += ", torch.compile" if engine == "compiled-graphs" else ""
             generated = sum(map(len, outputs[engine]))

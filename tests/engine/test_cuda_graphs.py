@@ -16,7 +16,6 @@ from contbatch.engine.cuda_graphs import (
     PRESET_MAX_GRAPHS,
     DecodeGraphs,
     EagerReplay,
-    GraphKey,
     GraphSettings,
     resolve_graph_settings,
     round_up,
@@ -160,7 +159,6 @@ def test_settings_follow_the_config_and_the_device() -> None:
         assert resolve_graph_settings(True, 0, 0, 0, cuda, own_graphs) is None
     assert resolve_graph_settings(None, 0, 0, 0, cuda, CompileConfig(mode="default")) is not None
     assert [round_up(value, 8) for value in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 24]
-    assert GraphKey(8, ((16, False),)) == GraphKey(8, ((16, False),))
 
 
 @CUDA
