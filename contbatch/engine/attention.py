@@ -32,6 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
+from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SUPPORTED_ATTENTION, shared_prefix_attention
 
 ATTENTION_NAME = "contbatch_paged"
 METADATA_KWARG = "contbatch_metadata"
@@ -128,6 +129,10 @@ def paged_attention_forward(
     attached (`own_attention`), so the model computes exactly what it computed before attaching."""
     metadata: PagedAttentionMetadata | str | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
+        prefix = kwargs.pop(SHARED_PREFIX_KWARG, None)
+        if prefix is not None:
+            return shared_prefix_attention(_own_attention_function(module), own_attention(module.config) or "",
+                                           module, query, key, value, attention_mask, prefix, *args, **kwargs)
         return _own_attention_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
     scaling, window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if metadata == COMPILED_MARKER:  # inside a compiled forward: one opaque op, the metadata is the step's
@@ -307,6 +312,14 @@ def _own_attention_function(module: torch.nn.Module) -> Callable[..., Any]:
     if own == "eager" and eager is None:
         raise RuntimeError(f"{type(module).__name__}'s modeling file has no eager_attention_forward")
     return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+
+
+def supports_shared_prefix(model: torch.nn.Module) -> bool:
+    """Whether `model` runs contbatch's attention now over an own implementation a shared-prefix forward
+    supports (see `shared_prefix`)."""
+    configs = [c for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)]
+    return bool(configs) and all(c._attn_implementation == ATTENTION_NAME and own_attention(c) in SUPPORTED_ATTENTION
+                                 for c in configs)
 
 
 def register_paged_attention() -> str:

@@ -18,6 +18,8 @@ from transformers import PreTrainedModel
 from trl import GRPOTrainer
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, RequestStatus
+from contbatch.integrations.trl.shared_prompt import shared_prompt_logps
+from contbatch.training import supports_shared_prompt
 
 GENERATION_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_tokens", "eos_token_id", "seed")
@@ -31,6 +33,12 @@ class ContbatchGRPOTrainer(GRPOTrainer):
         release_kv_between_steps: free the KV cache after each generation phase (`ContinuousBatchingManager.sleep`)
             so that the training step has the memory; the next generation takes it back (default True: on CPU too
             the cache's written pages are resident, and giving them back costs milliseconds per step).
+        shared_prompt_forward: compute each distinct prompt once in the policy's (and reference model's) forward
+            and backward, its keys and values repeated for its completions, instead of once per completion (default
+            True; see `shared_prompt`). Same log-probabilities and gradients to rounding. It applies to the policy
+            (attached to contbatch from the first generation on) in text-only, single-process runs whose attention is
+            "sdpa" or "eager", without an MoE auxiliary loss or reentrant activation checkpointing; other forwards
+            run TRL's own.
 
     Each call generates every distinct prompt once with `n` = its number of copies (TRL repeats each prompt
     `num_generations` times), so a prompt's prefill is computed once and its samples share its KV blocks. It returns
@@ -43,11 +51,12 @@ class ContbatchGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args: Any, contbatch_config: ContinuousBatchingConfig | None = None,
-                 release_kv_between_steps: bool = True, **kwargs: Any) -> None:
+                 release_kv_between_steps: bool = True, shared_prompt_forward: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _check_supported(self)
         self.contbatch_config = contbatch_config or ContinuousBatchingConfig(max_memory_percent=0.5)
         self.release_kv_between_steps = release_kv_between_steps
+        self.shared_prompt_forward = shared_prompt_forward
         self.contbatch_manager: ContinuousBatchingManager | None = None
         self._contbatch_step: int | None = None
         self._calls = itertools.count()
@@ -88,6 +97,33 @@ class ContbatchGRPOTrainer(GRPOTrainer):
             for request_id in sample_of:
                 manager.cancel_request(request_id)
             raise
+
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, batch_size: int | None = None,
+                                           compute_entropy: bool = False, compute_aux_loss: bool = False,
+                                           **model_inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """TRL's per-token logprobs, entropies and aux loss of the completion columns; with the shared-prompt
+        forward where it applies (`shared_prompt_forward`), else TRL's."""
+        if self._shares_prompts(model, compute_aux_loss, model_inputs):
+            with self.accelerator.autocast():
+                shared = shared_prompt_logps(model, input_ids, attention_mask, logits_to_keep, batch_size)
+            if shared is not None:
+                logps, entropies = shared
+                return logps, entropies if compute_entropy else None, None
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss, **model_inputs)
+
+    def _shares_prompts(self, model: Any, compute_aux_loss: bool, model_inputs: dict[str, Any]) -> bool:
+        if not self.shared_prompt_forward or compute_aux_loss or self.accelerator.num_processes != 1:
+            return False
+        if any(value is not None for value in model_inputs.values()):
+            return False
+        checkpointing = self.args.gradient_checkpointing_kwargs
+        if self.args.gradient_checkpointing and checkpointing is not None and checkpointing.get("use_reentrant", True):
+            return False
+        unwrapped = self.accelerator.unwrap_model(model)
+        return supports_shared_prompt(unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped)
 
     def _sampling(self) -> dict[str, Any]:
         """The per-request sampling settings: TRL's, then `args.generation_kwargs` (keys in `GENERATION_KWARGS`)."""
