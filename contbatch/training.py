@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from contbatch.engine.attention import supports_shared_prefix
+from contbatch.engine.attention import ATTENTION_NAME, own_attention, supports_shared_prefix
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SharedPrefix
 
 
@@ -41,7 +41,20 @@ class SharedPrompt:
     @classmethod
     def record(cls, model: torch.nn.Module, prompt_ids: torch.Tensor, **forward_kwargs: Any) -> SharedPrompt:
         """Runs `model` (a transformers causal LM, possibly PEFT-wrapped) over `prompt_ids` [length] and records
-        each layer's keys and values; `forward_kwargs` go to that forward. An empty prompt records nothing."""
+        each layer's keys and values; `forward_kwargs` go to that forward. An empty prompt records nothing.
+
+        Raises:
+            ValueError: `model` is not attached to contbatch, or its own attention is neither "sdpa" nor "eager"
+                (its forwards would ignore the record).
+        """
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not supports_shared_prefix(base):
+            config = base.config
+            if config._attn_implementation != ATTENTION_NAME:
+                raise ValueError(f"SharedPrompt needs a model contbatch is attached to (a manager or engine built on "
+                                 f"it is alive); this one runs {config._attn_implementation!r} attention")
+            raise ValueError(f"SharedPrompt needs the model's own attention to be 'sdpa' or 'eager', not "
+                             f"{own_attention(config)!r}")
         prefix = SharedPrefix(int(prompt_ids.numel()), recording=True)
         if prefix.length:
             model(input_ids=prompt_ids.reshape(1, -1), use_cache=False, logits_to_keep=1,

@@ -32,7 +32,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
     bench.add_argument("--workload",
-                       choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured", "beam", "otel"],
+                       choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured", "beam", "otel",
+                                "dataset"],
                        default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
                        "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
@@ -44,8 +45,16 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "beam: N GSM8K prompts, beam search with --num-beams beams, contbatch vs static "
                        "generate(num_beams) in batches of --static-batch-size; otel: N GSM8K prompts through "
                        "contbatch with OpenTelemetry off, on (spans and metrics exported over OTLP/HTTP to a local "
-                       "receiver) and on with detailed traces, --rounds times each, interleaved (extra `otel`)")
+                       "receiver) and on with detailed traces, --rounds times each, interleaved (extra `otel`); "
+                       "dataset: `contbatch generate` on N GSM8K questions single-process and with --ray "
+                       "--replicas --replicas (extra `ray`), then the peak memory of --limit prompts over a "
+                       "generated --dataset-lines input against a 1,000-line one")
     bench.add_argument("--num-beams", type=int, default=4, help="--workload beam: beams per prompt")
+    bench.add_argument("--replicas", type=int, default=2, help="--workload dataset: Ray replicas")
+    bench.add_argument("--dataset-lines", type=int, default=1_000_000,
+                       help="--workload dataset: lines of the large generated input")
+    bench.add_argument("--limit", type=int, default=256,
+                       help="--workload dataset: prompts of work in each streaming-memory run")
     bench.add_argument("--rounds", type=int, default=3, help="--workload otel: runs of each mode")
     bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
     bench.add_argument("--grpo-steps", type=int, default=3,
@@ -81,6 +90,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_eval(args)
     if args.workload == "otel":
         return _bench_otel(args)
+    if args.workload == "dataset":
+        return _bench_dataset(args)
     if args.workload != "throughput":
         return _bench_workload(args)
     from contbatch.bench import throughput, vllm_peer
@@ -211,6 +222,21 @@ def _bench_grpo_trl(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(text + "\n")
     return 0
+
+
+def _bench_dataset(args: argparse.Namespace) -> int:
+    """Run `contbatch bench --workload dataset`: `contbatch generate` runs, each in its own process; print the
+    tables."""
+    from contbatch.bench import dataset
+
+    gsm8k, streaming = dataset.compare(args.num_prompts, args.max_new_tokens, args.replicas, args.dataset_lines,
+                                       args.limit, rss_max_new_tokens=16)
+    text = (f"{dataset.format_tables(gsm8k, streaming, args.num_prompts, args.max_new_tokens)}\n\n"
+            f"{os.cpu_count()} CPUs")
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0 if all(run.exit_status == 0 for run in gsm8k + streaming) else 1
 
 
 def _bench_eval(args: argparse.Namespace) -> int:

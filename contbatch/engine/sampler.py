@@ -124,12 +124,17 @@ def _mask_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch
 
 
 def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Draws one token per row of `processed` from softmax(scores) and returns [M] int64."""
+    """Draws one token per row of `processed` from softmax(scores) and returns [M] int64.
+
+    Inverse transform: with u uniform in [0, 1), the row's token is the first whose cumulative probability
+    (float64) exceeds u times the row's total. A token of probability 0 spans an empty interval and is never
+    drawn. One random number per row: drawing noise over the whole vocabulary instead cost ~20% of a CPU decode
+    step."""
     probs = (processed.scores - processed.log_norm).exp()
-    noise = _exponential_noise(probs.shape, generators, probs.device)
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p), exactly;
-    # masked tokens have p_i == 0 and noise is bounded away from 0, so they can never win.
-    return (probs / noise).argmax(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    target = torch.minimum(_uniforms(generators, probs.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _logprobs_base(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -236,22 +241,13 @@ def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) ->
     return scores.masked_fill(drop_unsorted, float("-inf"))
 
 
-def _exponential_noise(
-    shape: torch.Size, generators: Sequence[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
-    """Returns [M, vocab] float32 Exp(1) noise, strictly positive; row i comes from generators[i] alone when
-    it is set, and rows without a generator share one draw from the global RNG."""
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if len(shared) == len(generators):
-        noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
-    else:
-        noise = torch.empty(shape, dtype=torch.float32, device=device)
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
-        if shared:
-            noise[torch.tensor(shared, device=device)] = torch.empty(
-                (len(shared), shape[1]), dtype=torch.float32, device=device
-            ).exponential_()
-    # A zero draw would turn 0 / 0 into NaN, which argmax would pick.
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[M, 1] float64 uniforms in [0, 1): row i from generators[i] alone when it is set, the others from the
+    global RNG in one draw."""
+    if all(generator is None for generator in generators):
+        return torch.rand((len(generators), 1), dtype=torch.float64, device=device)
+    uniforms = torch.rand((len(generators), 1), dtype=torch.float64, device=device)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[i] = torch.rand((1,), dtype=torch.float64, device=device, generator=generator)
+    return uniforms
