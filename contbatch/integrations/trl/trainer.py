@@ -33,12 +33,12 @@ class ContbatchGRPOTrainer(GRPOTrainer):
         release_kv_between_steps: free the KV cache after each generation phase (`ContinuousBatchingManager.sleep`)
             so that the training step has the memory; the next generation takes it back (default True: on CPU too
             the cache's written pages are resident, and giving them back costs milliseconds per step).
-        shared_prompt_forward: compute each distinct prompt once in the policy's (and reference model's) forward
-            and backward, its keys and values repeated for its completions, instead of once per completion (default
-            True; see `shared_prompt`). Same log-probabilities and gradients to rounding. It applies to the policy
-            (attached to contbatch from the first generation on) in text-only, single-process runs whose attention is
-            "sdpa" or "eager", without an MoE auxiliary loss or reentrant activation checkpointing; other forwards
-            run TRL's own.
+        shared_prompt_forward: compute each distinct prompt once in the policy's forward and backward, its keys
+            and values read by all of its completions, instead of once per completion (default True; see
+            `shared_prompt`). Same log-probabilities and gradients to rounding. It applies to the policy (attached
+            to contbatch from the first generation on, a PEFT policy with its adapters disabled included) in
+            text-only, single-process runs whose attention is "sdpa" or "eager", without an MoE auxiliary loss or
+            reentrant activation checkpointing; other forwards (a separate reference model) run TRL's own.
 
     Each call generates every distinct prompt once with `n` = its number of copies (TRL repeats each prompt
     `num_generations` times), so a prompt's prefill is computed once and its samples share its KV blocks. It returns
