@@ -42,10 +42,8 @@ def run_generate(label: str, arguments: list[str], output: Path) -> DatasetRun:
     command = [sys.executable, "-m", "contbatch.cli", "generate", *arguments, "--output", str(output), "--overwrite",
                "--quiet"]
     start = time.perf_counter()
-    process = subprocess.Popen(command)
-    _, status, usage = os.wait4(process.pid, 0)
+    _, status, usage = os.wait4(subprocess.Popen(command).pid, 0)
     wall = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
     lines = failed = tokens = 0
     if output.exists():
         with output.open(encoding="utf-8") as records:
@@ -54,7 +52,7 @@ def run_generate(label: str, arguments: list[str], output: Path) -> DatasetRun:
                 lines += 1
                 failed += "error" in record
                 tokens += int(record.get("completion_tokens", 0))
-    return DatasetRun(label, wall, lines, failed, tokens, usage.ru_maxrss / 1024, process.returncode)
+    return DatasetRun(label, wall, lines, failed, tokens, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status))
 
 
 def gsm8k_runs(num_prompts: int, max_new_tokens: int, replicas: int, scratch: Path) -> list[DatasetRun]:

@@ -29,6 +29,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PretrainedC
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from contbatch.engine.attention_types import visible_keys
 from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
@@ -59,10 +60,7 @@ class KeyLayout:
             keys = torch.arange(self.length, device=query_positions.device)
             if self.first is not None:
                 keys = (self.first.unsqueeze(1) + keys).unsqueeze(1)
-            queries = query_positions.unsqueeze(-1)
-            allowed = keys <= queries
-            if sliding_window is not None:
-                allowed &= keys > queries - sliding_window
+            allowed = visible_keys(keys, query_positions.unsqueeze(-1), sliding_window)
             self._masks[sliding_window] = allowed.unsqueeze(1)
         return self._masks[sliding_window]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 def _blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -57,6 +59,16 @@ class SlidingWindow(FullAttention):
 
     def first_needed_block(self, num_prefix_blocks: int) -> int:
         return max(0, num_prefix_blocks * self.block_size - self.window + 1) // self.block_size
+
+
+def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Bool, broadcast over the two position tensors: a query at position q sees a key at position k iff k <= q
+    and, with a window W, k > q - W (transformers' sliding-window mask)."""
+    allowed = key_positions <= query_positions
+    if sliding_window is not None:
+        allowed &= key_positions > query_positions - sliding_window
+    return allowed
 
 
 def attention_policy(block_size: int, window: int | None) -> FullAttention:

@@ -244,8 +244,6 @@ def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) ->
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """[M, 1] float64 uniforms in [0, 1): row i from generators[i] alone when it is set, the others from the
     global RNG in one draw."""
-    if all(generator is None for generator in generators):
-        return torch.rand((len(generators), 1), dtype=torch.float64, device=device)
     uniforms = torch.rand((len(generators), 1), dtype=torch.float64, device=device)
     for i, generator in enumerate(generators):
         if generator is not None:

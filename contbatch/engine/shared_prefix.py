@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from contbatch.engine.attention_types import visible_keys
+
 SHARED_PREFIX_KWARG = "contbatch_shared_prefix"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -65,7 +67,4 @@ def continuation_mask(prefix_length: int, num_queries: int, sliding_window: int 
     iff j <= prefix_length + i and, with a window W, j > prefix_length + i - W."""
     queries = torch.arange(num_queries, device=device).unsqueeze(1) + prefix_length
     keys = torch.arange(prefix_length + num_queries, device=device).unsqueeze(0)
-    allowed = keys <= queries
-    if sliding_window is not None:
-        allowed &= keys > queries - sliding_window
-    return allowed[None, None]
+    return visible_keys(keys, queries, sliding_window)[None, None]
