@@ -1,0 +1,114 @@
+"""The oneDNN-prepacked output head: same function as the model's own head, never stale, never visible outside
+contbatch's forwards, and traceable by torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig
+from contbatch.api import generate_batch
+from contbatch.engine.packed_head import PackedHead, packing_applies
+from tests.conftest import fresh_tiny_model, random_prompts, reference_generate
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+def _linear(bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(32, 300, bias=bias, dtype=dtype)
+
+
+def test_which_heads_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert packing_applies(_linear())
+    assert not packing_applies(_linear(dtype=torch.bfloat16))
+    assert not packing_applies(type("MyLinear", (nn.Linear,), {})(4, 4))
+    assert not packing_applies(None)
+    with torch.inference_mode():
+        assert not packing_applies(nn.Linear(4, 4))  # an inference tensor has no version counter
+    monkeypatch.setenv("CONTBATCH_PACK_LM_HEAD", "0")
+    assert not packing_applies(_linear())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(5, 32), (1, 7, 32), (1, 0, 32)])
+def test_same_function_as_the_linear(bias: bool, shape: tuple[int, ...]) -> None:
+    linear = _linear(bias)
+    head = PackedHead.for_linear(linear)
+    head.refresh()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert PackedHead.for_linear(linear) is head
+
+
+def test_repacks_after_every_kind_of_weight_change() -> None:
+    linear = _linear()
+    head = PackedHead.for_linear(linear)
+    x = torch.randn(3, 32)
+
+    def check() -> None:
+        head.refresh()
+        with torch.no_grad():
+            torch.testing.assert_close(head(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+
+    check()
+    with torch.no_grad():
+        linear.weight.mul_(2.0)  # in place: the version counter moves
+    check()
+    linear.weight.data += 1.0  # through .data: only `weights_changed` tells
+    model = nn.Module()
+    model.get_output_embeddings = lambda: linear  # type: ignore[method-assign]
+    PackedHead.weights_changed(model)
+    check()
+    linear.weight = nn.Parameter(torch.randn(300, 32))  # a new parameter: a new PackedHead stands for it
+    assert not head.stands_for(linear)
+    head = PackedHead.for_linear(linear)
+    check()
+
+
+def test_grad_forward_is_f_linear() -> None:
+    linear = _linear(bias=True)
+    head = PackedHead.for_linear(linear)
+    x = torch.randn(4, 32, requires_grad=True)
+    head(x).square().sum().backward()
+    expected = torch.autograd.grad(linear(x).square().sum(), [x, linear.weight])
+    x_grad, weight_grad = x.grad, linear.weight.grad
+    assert x_grad is not None and weight_grad is not None
+    torch.testing.assert_close(x_grad, expected[0])
+    torch.testing.assert_close(weight_grad, expected[1])
+
+
+def test_compiles_without_graph_break() -> None:
+    linear = _linear(bias=True)
+    head = PackedHead.for_linear(linear)
+    head.refresh()
+    x = torch.randn(6, 32)
+    compiled = torch.compile(head, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_only_contbatch_forwards_see_it() -> None:
+    model = fresh_tiny_model("llama")
+    own = model.get_output_embeddings()
+    seen: list[nn.Module] = []
+    model.model.norm.register_forward_hook(lambda *_: seen.append(model.get_output_embeddings()))
+    prompts = random_prompts([9, 17, 4], seed=3)
+    config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
+    outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
+    assert seen and all(isinstance(head, PackedHead) and head.weight is own.weight for head in seen)
+    assert model.get_output_embeddings() is own
+    for index, prompt in enumerate(prompts):
+        assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 5)
+
+
+def test_head_given_back_when_the_forward_fails() -> None:
+    model = fresh_tiny_model("llama")
+    own = model.get_output_embeddings()
+    with pytest.raises(RuntimeError, match="boom"), PackedHead.during_forward(model):
+        assert isinstance(model.get_output_embeddings(), PackedHead)
+        raise RuntimeError("boom")
+    assert model.get_output_embeddings() is own
