@@ -27,6 +27,7 @@ from contbatch.engine.sampler import Sampler
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
 LOG_SOFTMAX_ROWS = 256
+MAX_PADDING = 1.25
 
 
 class ModelRunner:
@@ -187,12 +188,11 @@ class ModelRunner:
         if prompt_rows:
             logits_indices = torch.cat([logits_indices, *prompt_rows])
         single = counts == 1
-        groups = [
-            _attention_group(members.nonzero().squeeze(1), counts, starts, offsets, block_tables, block_size,
-                             self.windows)
-            for members in (single, ~single)
-            if bool(members.any())
-        ]
+        member_sets = [single.nonzero().squeeze(1)] if bool(single.any()) else []
+        member_sets += _padding_bounded_sets((~single).nonzero().squeeze(1), counts, starts,
+                                             MAX_PADDING if self.device.type == "cpu" else None)
+        groups = [_attention_group(members, counts, starts, offsets, block_tables, block_size, self.windows)
+                  for members in member_sets]
         metadata = PagedAttentionMetadata(self.cache, slot_mapping.to(self.device), [
             _to_device(group, self.device) for group in groups
         ])
@@ -272,6 +272,30 @@ def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> di
         ]
         row += len(task.token_ids)
     return entries
+
+
+def _padding_bounded_sets(members: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
+                          max_padding: float | None) -> list[torch.Tensor]:
+    """Splits the multi-token requests `members` into attention groups. A group is padded to its longest query
+    and key range, so its cost is members x queries x keys; each group here costs at most `max_padding` times
+    its requests' own cost (largest first, greedily). With `max_padding` None: one group (fewest kernel launches,
+    for GPUs)."""
+    if max_padding is None or len(members) <= 1:
+        return [members] if len(members) else []
+    queries, keys = counts[members], starts[members] + counts[members]
+    order = torch.argsort(queries * keys, descending=True, stable=True).tolist()
+    sets: list[list[int]] = []
+    longest = widest = own = 0
+    for index in order:
+        q, k = int(queries[index]), int(keys[index])
+        grown = (len(sets[-1]) + 1) * max(longest, q) * max(widest, k) if sets else 0
+        if sets and grown <= max_padding * (own + q * k):
+            sets[-1].append(index)
+            longest, widest, own = max(longest, q), max(widest, k), own + q * k
+        else:
+            sets.append([index])
+            longest, widest, own = q, k, q * k
+    return [members[torch.tensor(sorted(indices))] for indices in sets]
 
 
 def _attention_group(

@@ -1,0 +1,49 @@
+"""How a step's multi-token requests are split into padded attention groups (CPU: padding bounded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig
+from contbatch.api import generate_batch
+from contbatch.engine.model_runner import MAX_PADDING, _padding_bounded_sets
+from tests.conftest import random_prompts, reference_generate, tiny_model
+
+
+def _sets(counts: list[int], starts: list[int], max_padding: float | None) -> list[list[int]]:
+    counts_t, starts_t = torch.tensor(counts), torch.tensor(starts)
+    members = (counts_t > 1).nonzero().squeeze(1)
+    return [members_set.tolist() for members_set in _padding_bounded_sets(members, counts_t, starts_t,
+                                                                           max_padding)]
+
+
+def test_exact_groups() -> None:
+    counts, starts = [1, 100, 90, 10, 50, 1, 48], [5, 16, 16, 0, 0, 9, 0]
+    assert _sets(counts, starts, 1.25) == [[1, 2], [4, 6], [3]]
+    assert _sets(counts, starts, None) == [[1, 2, 3, 4, 6]]
+    assert _sets([1, 1], [3, 4], 1.25) == []
+    assert _sets([7], [0], 1.25) == [[0]]
+
+
+def test_every_request_once_and_padding_bounded() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        counts = torch.randint(1, 200, (12,), generator=generator).tolist()
+        starts = torch.randint(0, 300, (12,), generator=generator).tolist()
+        sets = _sets(counts, starts, MAX_PADDING)
+        assert sorted(index for group in sets for index in group) == [i for i, c in enumerate(counts) if c > 1]
+        for group in sets:
+            own = sum(counts[i] * (starts[i] + counts[i]) for i in group)
+            padded = len(group) * max(counts[i] for i in group) * max(starts[i] + counts[i] for i in group)
+            assert len(group) == 1 or padded <= MAX_PADDING * own
+
+
+def test_mixed_lengths_keep_parity() -> None:
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 40, 37, 9, 64, 2, 18], seed=11)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None)
+    outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8, max_batch_tokens=96),
+                             progress_bar=False)
+    for index, prompt in enumerate(prompts):
+        assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 6)
