@@ -44,6 +44,7 @@ __all__ = ["PeerUnavailable", "bench_peer", "format_table", "peer_spec", "run", 
 
 REQUEST_TIMEOUT_S = 600.0
 WARMUP_TOKENS = 4
+WARMUP_REQUESTS = 2
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -242,10 +243,13 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
         with server_process(spec, log_path) as process:
             try:
                 wait_ready(process, base_url)
-                # One short request, so that lazy initialisation does not land in the measured run.
-                warm = asyncio.run(run_load(base_url, spec.model, questions[:1], WARMUP_TOKENS, [0.0]))[0][0]
-                if not warm.ok:
-                    raise PeerUnavailable(f"the warm-up request failed: {warm.error}")
+                # Two short concurrent requests, so that lazy initialisation (and a compiled server's graphs for
+                # one and for several requests) does not land in the measured run.
+                warm = questions[:WARMUP_REQUESTS]
+                failed = [result for result in asyncio.run(run_load(base_url, spec.model, warm, WARMUP_TOKENS,
+                                                                    [0.0] * len(warm)))[0] if not result.ok]
+                if failed:
+                    raise PeerUnavailable(f"a warm-up request failed: {failed[0].error}")
             except PeerUnavailable as error:
                 tail = "\n".join("    " + line for line in log_path.read_text(errors="replace").splitlines()[-15:])
                 raise PeerUnavailable(f"{error}; server log tail:\n{tail}") from error

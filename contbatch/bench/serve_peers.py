@@ -54,7 +54,8 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
     if name == "contbatch":
         command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
                    "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
-                   *_given(args, ("model", "threads", *_CACHE_FLAGS), "--")]
+                   *_given(args, ("model", "threads", *_CACHE_FLAGS), "--"),
+                   *(["--compile"] if getattr(args, "compile", False) else [])]
         return PeerSpec(name, command, env, BENCH_MODEL_ID)
     model_dir = _local_model_dir(args)
     # Offline: a model that is not local must fail fast instead of being fetched from the hub.

@@ -138,7 +138,9 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     assert contbatch.command[:4] == [sys.executable, "-m", "contbatch.cli", "serve"]
     joined = " ".join(contbatch.command)
     assert "--port 9001" in joined and "--block-size 16" in joined and "--max-batch-tokens 128" in joined
-    assert "--num-blocks" not in joined
+    assert "--num-blocks" not in joined and "--compile" not in joined
+    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile"), 9001)
+    assert compiled.command[-1] == "--compile"
     transformers = bench_serve.peer_spec("transformers", args, 9002)
     joined = " ".join(transformers.command)
     assert f"serve {tmp_path} --continuous-batching" in joined and "--cb-block-size 16" in joined
