@@ -6,11 +6,12 @@ same product 1.3-2.9x faster (docs/performance.md). The head is a large share of
 FLOPs for SmolLM2-135M), so this is worth a second copy of its weight.
 
 `PackedHead.during_forward(model)` puts a `PackedHead` in the model's place of its output embedding for the
-duration of one of contbatch's forwards and gives the model its own module back afterwards, so nothing outside
-contbatch's forwards ever sees it. Before each forward the packed copy is checked against the weight's storage
-and version counter and packed again when the weight changed (an optimizer step in place, a reload), so it never
-serves stale weights (`weights_changed` covers writes that bypass the version counter). A compiled forward
-calls the product as the opaque op `contbatch::packed_linear`.
+duration of one of contbatch's forwards and gives the model its own module back afterwards: other code sees it
+only while such a forward runs (a forward on another thread meanwhile computes the same function with it).
+Before each forward the packed copy is checked against the weight's storage and version counter and packed again
+when the weight changed (an optimizer step in place, a reload), so it never serves stale weights
+(`weights_changed` covers writes that bypass the version counter). A compiled forward calls the product as the
+opaque op `contbatch::packed_linear`.
 
 Set `CONTBATCH_PACK_LM_HEAD=0` to keep `F.linear` (and save the copy's memory).
 """
