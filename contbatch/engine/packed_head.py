@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -45,6 +45,12 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: 
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _output_head(model: nn.Module) -> tuple[object, Callable[[nn.Module], None] | None]:
+    """`model`'s output embedding (None without a getter) and its setter (None when it has none)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return (get_head() if get_head is not None else None), getattr(model, "set_output_embeddings", None)
+
+
 def packing_applies(head: object) -> bool:
     """Whether `head` can be packed: exactly an `nn.Linear` with a float32 CPU weight that tracks its version
     (not an inference tensor), oneDNN available, and not disabled by `CONTBATCH_PACK_LM_HEAD=0`."""
@@ -57,7 +63,8 @@ def packing_applies(head: object) -> bool:
 
 class PackedHead(nn.Module):
     """Stands for an `nn.Linear` (the same parameters, the same function) inside contbatch's forwards. Without
-    grad its product runs through the prepacked weight; a forward that needs grad runs `F.linear`."""
+    grad its product runs through the prepacked weight; a forward that needs grad, or whose input has another dtype
+    than the weight, runs `F.linear`."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -78,7 +85,8 @@ class PackedHead(nn.Module):
             self._packed_from = source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if needs_grad or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return packed_linear(x, self.weight, self.bias, self.handle)
 
@@ -95,8 +103,7 @@ class PackedHead(nn.Module):
     def weights_changed(model: nn.Module) -> None:
         """Packs `model`'s head again at its next forward: its weight may have changed through an alias that
         bypasses the version counter (a write to `.data`)."""
-        get_head = getattr(model, "get_output_embeddings", None)
-        own = get_head() if get_head is not None else None
+        own, _ = _output_head(model)
         head = _heads.get(own) if isinstance(own, nn.Linear) else None
         if head is not None:
             head._packed_from = None
@@ -105,10 +112,8 @@ class PackedHead(nn.Module):
     @contextmanager
     def during_forward(model: nn.Module) -> Iterator[None]:
         """Within the block, `model`'s output embedding is its `PackedHead` (fresh), where packing applies."""
-        get_head = getattr(model, "get_output_embeddings", None)
-        set_head = getattr(model, "set_output_embeddings", None)
-        own = get_head() if get_head is not None and set_head is not None else None
-        if not packing_applies(own):
+        own, set_head = _output_head(model)
+        if set_head is None or not packing_applies(own):
             yield
             return
         packed = PackedHead.for_linear(own)

@@ -42,6 +42,9 @@ def test_same_function_as_the_linear(bias: bool, shape: tuple[int, ...]) -> None
     with torch.no_grad():
         torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
     assert PackedHead.for_linear(linear) is head
+    # another dtype (autocast, say) takes F.linear's own rules, here its error
+    with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
+            head(x.to(torch.float64))
 
 
 def test_repacks_after_every_kind_of_weight_change() -> None:
