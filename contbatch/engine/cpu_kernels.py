@@ -1,8 +1,10 @@
-"""contbatch's CPU kernel: paged decode attention, compiled on first use with torch's C++ extension builder.
+"""contbatch's CPU kernels (paged decode attention, and the write of new K/V rows into the cache), compiled on
+first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; the result is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
 under ~/.cache), so only the first process on a machine pays the ~20 s build. Where the build fails, or with
-`CONTBATCH_CPU_KERNELS=0`, attention falls back to PyTorch's SDPA on gathered K/V (same results, slower).
+`CONTBATCH_CPU_KERNELS=0`, attention falls back to PyTorch's SDPA on gathered K/V and the cache is written with
+`index_copy_` (same results, slower).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 DecodeKernel = Callable[..., torch.Tensor]
 
@@ -31,9 +33,18 @@ def paged_decode_kernel() -> DecodeKernel | None:
     return None if module is None else module.paged_decode_attention
 
 
+def kv_row_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """The compiled `write_rows(cache, rows, slots)`: cache [heads, slots, dim] contiguous, rows [heads, tokens,
+    dim] of the cache's dtype with a contiguous last dim, slots [tokens] int64; stores `rows[:, t]` at
+    `cache[:, slots[t]]` as `cache.index_copy_(1, slots, rows)` does (no read of the lines it overwrites). None
+    when the kernels are disabled or cannot be built."""
+    module = kernel_module()
+    return None if module is None else module.write_rows
+
+
 @functools.cache
 def kernel_module() -> Any:
-    """The built extension (`paged_decode_attention`, and `parallel_threads()`: how many threads its
+    """The built extension (`paged_decode_attention`, `write_rows`, and `parallel_threads()`: how many threads its
     `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from contbatch.engine.cpu_kernels import kv_row_writer
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -140,6 +142,7 @@ class PagedKVCache:
             for layer in group.layers:
                 self.layer_group[layer] = index
         self._storage = torch.empty(0, dtype=spec.dtype, device=self.device)
+        self._row_writer = kv_row_writer() if self.device.type == "cpu" else None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.allocate()
@@ -190,9 +193,17 @@ class PagedKVCache:
         trim_host_heap()
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping`."""
-        self.keys[layer].index_copy_(1, slot_mapping, key.to(self.spec.dtype))
-        self.values[layer].index_copy_(1, slot_mapping, value.to(self.spec.dtype))
+        """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping` (on CPU
+        through the kernels' `write_rows` where they are built, else `index_copy_`)."""
+        key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
+        writer = self._row_writer
+        if (writer is not None and key.stride(-1) == 1 and value.stride(-1) == 1
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+            writer(self.keys[layer], key, slot_mapping)
+            writer(self.values[layer], value, slot_mapping)
+            return
+        self.keys[layer].index_copy_(1, slot_mapping, key)
+        self.values[layer].index_copy_(1, slot_mapping, value)
 
     def gather(self, layer: int, slots: torch.Tensor, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `slots` ([batch * length]) as [batch, num_kv_heads, length, head_dim] views."""

@@ -1,11 +1,13 @@
-"""The CPU paged decode kernel against attention computed with plain torch ops on gathered K/V."""
+"""The CPU kernels: paged decode attention against attention computed with plain torch ops on gathered K/V, and
+the K/V row write against `index_copy_`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from contbatch.engine.cpu_kernels import kernel_module, paged_decode_kernel
+from contbatch.engine.cpu_kernels import kernel_module, kv_row_writer, paged_decode_kernel
+from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
 
 BLOCK = 16
 
@@ -63,3 +65,40 @@ def test_kernel_runs_on_every_torch_thread() -> None:
         assert module.parallel_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("dtype", "dim"), [
+    (torch.float32, 64),   # whole 32-byte vectors: non-temporal stores
+    (torch.bfloat16, 48),  # 96-byte rows: non-temporal stores
+    (torch.float32, 6),    # 24-byte rows: plain copies
+])
+def test_row_writer_matches_index_copy(dtype: torch.dtype, dim: int) -> None:
+    writer = kv_row_writer()
+    assert writer is not None
+    generator = torch.Generator().manual_seed(dim)
+    cache = torch.randn(3, 400, dim, generator=generator).to(dtype)
+    expected = cache.clone()
+    slots = torch.randperm(400, generator=generator)[:37]
+    rows = torch.randn(37, 3, dim, generator=generator).to(dtype).transpose(0, 1)  # as a layer hands them over
+    expected.index_copy_(1, slots, rows)
+    writer(cache, rows, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_row_writer_refuses_a_slot_outside_the_cache() -> None:
+    writer = kv_row_writer()
+    assert writer is not None
+    cache = torch.zeros(2, 32, 8)
+    with pytest.raises(RuntimeError, match="slot 32 is outside the cache's 32"):
+        writer(cache, torch.ones(2, 2, 8), torch.tensor([3, 32]))
+    assert not cache.any()
+
+
+def test_cache_write_goes_through_the_row_writer_and_stores_what_index_copy_would() -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cache = PagedKVCache(spec, num_blocks=8, block_size=4, device=torch.device("cpu"))
+    assert cache._row_writer is not None
+    slots = torch.tensor([5, 0, 17, 30])
+    key, value = torch.randn(4, 2, 16).transpose(0, 1), torch.randn(2, 4, 16)
+    cache.write(1, slots, key, value)
+    assert torch.equal(cache.keys[1][:, slots], key) and torch.equal(cache.values[1][:, slots], value)

@@ -1,6 +1,7 @@
-// Paged attention for requests that compute one query token (decode), on CPU, float32.
+// contbatch's CPU kernels: writing a layer's new K/V rows into the paged cache, and paged attention for
+// requests that compute one query token (decode), float32.
 //
-// Reads each request's keys and values straight from the paged cache (no gathered copy), one task per
+// The decode kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
 // (request, kv head), the query heads of a GQA group sharing every key and value row they read.
 //
 // With AVX2 + FMA and a head_dim that is a multiple of 8, a task walks its positions 8 at a time in one pass
@@ -12,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -175,6 +178,46 @@ static void attend_avx2(const Task& t, std::vector<float>& acc, std::vector<floa
 }
 #endif
 
+// cache: [H, S, D] contiguous; rows: [H, T, D] with a contiguous last dim; slots: [T] int64, each in [0, S).
+// Stores row (h, t) at cache (h, slots[t]) (of rows sharing a slot, one is kept). A decode step writes one row per request into lines no core
+// has touched since the previous step: ordinary stores first read each line from memory. Where rows are whole
+// 32-byte vectors the rows are written with non-temporal stores instead, which skip that read.
+void write_rows(torch::Tensor cache, const torch::Tensor& rows, const torch::Tensor& slots) {
+  TORCH_CHECK(cache.is_contiguous() && rows.dim() == 3 && rows.stride(2) == 1 && cache.dim() == 3);
+  TORCH_CHECK(rows.dtype() == cache.dtype() && slots.dtype() == torch::kInt64 && slots.is_contiguous());
+  TORCH_CHECK(rows.size(0) == cache.size(0) && rows.size(1) == slots.size(0) && rows.size(2) == cache.size(2));
+  const int64_t heads = cache.size(0), num_slots = cache.size(1), count = rows.size(1);
+  const int64_t row_bytes = cache.size(2) * cache.element_size(), item = rows.element_size();
+  const int64_t head_stride = rows.stride(0) * item, row_stride = rows.stride(1) * item;
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the cache's ", num_slots);
+#ifdef CONTBATCH_AVX2
+  const bool stream = row_bytes % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+#endif
+  at::parallel_for(0, heads * count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / count, t = i % count;
+      char* d = dst + (h * num_slots + slot[t]) * row_bytes;
+      const char* s = src + h * head_stride + t * row_stride;
+#ifdef CONTBATCH_AVX2
+      if (stream) {
+        for (int64_t c = 0; c < row_bytes; c += 32)
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(d + c),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c)));
+        continue;
+      }
+#endif
+      std::memcpy(d, s, row_bytes);
+    }
+#ifdef CONTBATCH_AVX2
+    _mm_sfence();
+#endif
+  });
+}
+
 // query: [B, H, D]; key_cache, value_cache: [KVH, S, D] (head-major slots); slots: [B, L] cache slot of each
 // request's positions 0..L-1; lengths: [B] keys each request attends to; first: [B] first visible position
 // (sliding window). Returns [B, H, D].
@@ -224,6 +267,7 @@ int64_t parallel_threads() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_rows", &write_rows, "store K/V rows at cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }
