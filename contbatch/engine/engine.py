@@ -28,6 +28,7 @@ from contbatch.engine.kv_cache import (
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.outputs import EngineStats, RequestDelta
+from contbatch.engine.packed_weights import pending_packed_bytes
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
@@ -72,8 +73,9 @@ class LLMEngine:
         device = next(model.parameters()).device
         spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype)
         groups = kv_cache_groups(model.config)
+        free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(
-            spec, groups, self.config.block_size, available_memory_bytes(device), self.config.max_memory_percent
+            spec, groups, self.config.block_size, max(free, 0), self.config.max_memory_percent
         )
         self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device, groups)
         self.block_pool = BlockPool(num_blocks)

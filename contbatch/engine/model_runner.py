@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 from transformers import CompileConfig, PreTrainedModel
@@ -22,7 +23,7 @@ from contbatch.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBa
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
-from contbatch.engine.packed_head import PackedHead
+from contbatch.engine.packed_weights import packed_forward, weights_changed
 from contbatch.engine.sampler import Sampler
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
@@ -101,9 +102,13 @@ class ModelRunner:
         return logits[:num_sampling]
 
     def _forward(self, path: str, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata) -> torch.Tensor:
-        """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]."""
-        with paged_forward(), PackedHead.during_forward(self.model):
-            if self.compiled is not None and path in self.compiled.paths:
+        """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
+        weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs
+        them itself."""
+        compiled = self.compiled is not None and path in self.compiled.paths
+        frozen = compiled and self.compiled.freezes_weights  # type: ignore[union-attr]
+        with paged_forward(), nullcontext() if frozen else packed_forward(self.model):
+            if compiled:
                 with step_metadata(metadata):
                     output = self.compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})
             else:
@@ -113,8 +118,8 @@ class ModelRunner:
     def weights_replaced(self) -> None:
         """Drops what holds the model's weights as they were: frozen compiled graphs (and the decode graphs
         captured from them), and captured decode graphs when a parameter has a new storage (graphs read
-        parameters by address: in-place updates keep them), and the packed copy of the output head."""
-        PackedHead.weights_changed(self.model)
+        parameters by address: in-place updates keep them), and the packed copies of the weights."""
+        weights_changed(self.model)
         if self.compiled is not None and self.compiled.freezes_weights:
             self.compiled.reset()
             self.drop_graphs()

@@ -1,0 +1,179 @@
+"""The model's linear layers through oneDNN with prepacked weights, for contbatch's CPU float32 forwards.
+
+On CPU, float32, `F.linear` (MKL) runs the products of a decode step below the machine's GEMM rate. oneDNN with
+the weight reordered once into its blocked layout runs the vocabulary projection (LM head) 1.4-2.9x faster at
+every batch size, and the layers' projections 1.1-1.5x faster at the row counts of decode steps, with the weights
+streamed from memory as they are in a real forward (docs/performance.md). At a few hundred rows and more (prefill
+chunks) MKL is as fast or faster for the layers, so a layer's product takes oneDNN only up to `LAYER_MAX_ROWS`
+rows; the head takes it always.
+
+`packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
+through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of
+contbatch's forwards, and gives the model its own modules back afterwards: other code sees them only while such
+a forward runs (a forward on another thread meanwhile computes the same function with them). Before each
+forward every packed copy is checked against its weight's storage and version counter and packed again when the
+weight changed (an optimizer step in place, a reload), so it never serves stale weights (`weights_changed`
+covers writes that bypass the version counter). A compiled forward calls the product as the opaque op
+`contbatch::packed_linear`.
+
+The copies cost memory: the head's always, the layers' (about the model's size) only when they fit in
+`LAYER_MEMORY_SHARE` of the machine's memory (`pending_packed_bytes` says how much, for the KV cache's
+sizing).
+`CONTBATCH_PACK_WEIGHTS=head` packs only the head, `CONTBATCH_PACK_WEIGHTS=0` nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYER_MAX_ROWS = 256
+LAYER_MEMORY_SHARE = 0.1
+_handles = itertools.count()
+_packed: dict[int, torch.Tensor] = {}
+_modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDictionary()
+
+
+@torch.library.custom_op("contbatch::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+                  max_rows: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: through the prepacked copy of `weight` registered under `handle` (by
+    `PackedLinear.refresh`, which the caller ran before the forward) when `x` has at most `max_rows` rows (0: any
+    number), else through `F.linear` itself."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if max_rows and rows > max_rows:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed[handle], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+      max_rows: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def packing_applies(linear: object) -> bool:
+    """Whether `linear` can be packed: exactly an `nn.Linear` with a float32 CPU weight that tracks its version
+    (not an inference tensor), oneDNN available, and packing not disabled (`CONTBATCH_PACK_WEIGHTS=0`)."""
+    if os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto") == "0" or type(linear) is not nn.Linear:
+        return False
+    weight = linear.weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_inference()
+            and torch.backends.mkldnn.is_available())
+
+
+class PackedLinear(nn.Module):
+    """Stands for an `nn.Linear` (the same parameters, the same function) inside contbatch's forwards. Without
+    grad its product runs through the prepacked weight (up to `max_rows` rows; 0: any number); a forward that
+    needs grad, or whose input has another dtype than the weight, runs `F.linear`."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.max_rows = max_rows
+        self.handle = next(_handles)
+        self._packed_from: tuple[int, int] | None = None
+        weakref.finalize(self, _packed.pop, self.handle, None)
+
+    def stands_for(self, linear: nn.Linear) -> bool:
+        return self.weight is linear.weight and self.bias is linear.bias
+
+    def refresh(self) -> None:
+        """Packs the weight again if its storage or version changed since the last packing."""
+        source = (self.weight.data_ptr(), self.weight._version)
+        if source != self._packed_from:
+            _packed[self.handle] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self._packed_from = source
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if needs_grad or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.weight, self.bias, self.handle, self.max_rows)
+
+    @classmethod
+    def for_linear(cls, linear: nn.Linear, max_rows: int = 0) -> PackedLinear:
+        """The `PackedLinear` of `linear`: one per module while its parameters stay the same objects, so that a
+        compiled forward keeps seeing one module. It holds the parameters, not `linear`."""
+        packed = _modules.get(linear)
+        if packed is None or not packed.stands_for(linear) or packed.max_rows != max_rows:
+            packed = _modules[linear] = cls(linear, max_rows)
+        return packed
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if get_head is not None and hasattr(model, "set_output_embeddings") else None
+
+
+def _layer_sites(model: nn.Module, head: nn.Module | None) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every packable `nn.Linear` of `model` other than `head`."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if child is not head and packing_applies(child)]
+
+
+def _packs_layers(model: nn.Module, sites: list[tuple[nn.Module, str, nn.Linear]]) -> bool:
+    """Whether the layers' copies are made: not `CONTBATCH_PACK_WEIGHTS=head`, and their bytes within
+    `LAYER_MEMORY_SHARE` of the machine's memory."""
+    if os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto") == "head":
+        return False
+    size = sum(linear.weight.nbytes for _, _, linear in sites)
+    return size <= LAYER_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pending_packed_bytes(model: nn.Module) -> int:
+    """The memory the packed copies of `model`'s weights will take that they do not take yet (for the KV cache's
+    sizing: copies made for an earlier engine on the model are already out of the free memory)."""
+    head = _output_head(model)
+    sites = _layer_sites(model, head)
+    linears = [linear for _, _, linear in sites] if _packs_layers(model, sites) else []
+    if packing_applies(head):
+        linears.append(head)  # type: ignore[arg-type]
+    return sum(linear.weight.nbytes for linear in linears if not _is_packed(linear))
+
+
+def _is_packed(linear: nn.Linear) -> bool:
+    packed = _modules.get(linear)
+    return packed is not None and packed.stands_for(linear) and packed._packed_from is not None
+
+
+def weights_changed(model: nn.Module) -> None:
+    """Packs `model`'s weights again at its next forward: a weight may have changed through an alias that
+    bypasses the version counter (a write to `.data`)."""
+    for module in model.modules():
+        packed = _modules.get(module) if isinstance(module, nn.Linear) else None
+        if packed is not None:
+            packed._packed_from = None
+
+
+@contextmanager
+def packed_forward(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model`'s output head and (memory permitting) its other linear layers are their fresh
+    `PackedLinear`s, where packing applies; the model's own modules are back afterwards, also on errors."""
+    head = _output_head(model)
+    sites = _layer_sites(model, head)
+    swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS))
+             for parent, name, own in (sites if _packs_layers(model, sites) else [])]
+    packed_head = PackedLinear.for_linear(head) if packing_applies(head) else None  # type: ignore[arg-type]
+    for packed in [packed_head, *(swap[3] for swap in swaps)]:
+        if packed is not None:
+            packed.refresh()
+    try:
+        if packed_head is not None:
+            model.set_output_embeddings(packed_head)  # type: ignore[operator]
+        for parent, name, _, packed in swaps:
+            setattr(parent, name, packed)
+        yield
+    finally:
+        for parent, name, own, _ in swaps:
+            setattr(parent, name, own)
+        if packed_head is not None:
+            model.set_output_embeddings(head)  # type: ignore[operator]

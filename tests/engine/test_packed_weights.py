@@ -1,0 +1,146 @@
+"""The oneDNN-prepacked linear layers: same function as the model's own modules, never stale, never visible
+outside contbatch's forwards, traceable by torch.compile, and within their memory bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig
+from contbatch.api import generate_batch
+from contbatch.engine import packed_weights
+from contbatch.engine.packed_weights import (
+    PackedLinear,
+    packed_forward,
+    packing_applies,
+    pending_packed_bytes,
+    weights_changed,
+)
+from tests.conftest import fresh_tiny_model, random_prompts, reference_generate
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+def _linear(bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(32, 300, bias=bias, dtype=dtype)
+
+
+def test_which_linears_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert packing_applies(_linear())
+    assert not packing_applies(_linear(dtype=torch.bfloat16))
+    assert not packing_applies(type("MyLinear", (nn.Linear,), {})(4, 4))
+    assert not packing_applies(None)
+    with torch.inference_mode():
+        assert not packing_applies(nn.Linear(4, 4))  # an inference tensor has no version counter
+    monkeypatch.setenv("CONTBATCH_PACK_WEIGHTS", "0")
+    assert not packing_applies(_linear())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(5, 32), (1, 7, 32), (1, 0, 32), (1, 9, 32)])
+def test_same_function_as_the_linear(bias: bool, shape: tuple[int, ...]) -> None:
+    linear = _linear(bias)
+    head = PackedLinear.for_linear(linear, max_rows=8)  # (1, 9, 32): more rows than that, F.linear's path
+    head.refresh()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert PackedLinear.for_linear(linear, max_rows=8) is head
+    # another dtype (autocast, say) takes F.linear's own rules, here its error
+    with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
+            head(x.to(torch.float64))
+
+
+def test_repacks_after_every_kind_of_weight_change() -> None:
+    linear = _linear()
+    head = PackedLinear.for_linear(linear)
+    x = torch.randn(3, 32)
+
+    def check() -> None:
+        head.refresh()
+        with torch.no_grad():
+            torch.testing.assert_close(head(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+
+    check()
+    with torch.no_grad():
+        linear.weight.mul_(2.0)  # in place: the version counter moves
+    check()
+    linear.weight.data += 1.0  # through .data: only `weights_changed` tells
+    model = nn.Sequential(linear)
+    weights_changed(model)
+    check()
+    linear.weight = nn.Parameter(torch.randn(300, 32))  # a new parameter: a new PackedLinear stands for it
+    assert not head.stands_for(linear)
+    head = PackedLinear.for_linear(linear)
+    check()
+
+
+def test_grad_forward_is_f_linear() -> None:
+    linear = _linear(bias=True)
+    head = PackedLinear.for_linear(linear)
+    x = torch.randn(4, 32, requires_grad=True)
+    head(x).square().sum().backward()
+    expected = torch.autograd.grad(linear(x).square().sum(), [x, linear.weight])
+    x_grad, weight_grad = x.grad, linear.weight.grad
+    assert x_grad is not None and weight_grad is not None
+    torch.testing.assert_close(x_grad, expected[0])
+    torch.testing.assert_close(weight_grad, expected[1])
+
+
+def test_compiles_without_graph_break() -> None:
+    linear = _linear(bias=True)
+    head = PackedLinear.for_linear(linear, max_rows=4)
+    head.refresh()
+    x = torch.randn(6, 32)
+    compiled = torch.compile(head, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_only_contbatch_forwards_see_them() -> None:
+    model = fresh_tiny_model("llama")
+    own, own_q = model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj
+    seen: list[tuple[nn.Module, nn.Module]] = []
+    model.model.norm.register_forward_hook(
+        lambda *_: seen.append((model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj)))
+    prompts = random_prompts([9, 17, 4], seed=3)
+    config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
+    outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
+    assert seen and all(isinstance(head, PackedLinear) and head.weight is own.weight and head.max_rows == 0
+                        and isinstance(q, PackedLinear) and q.weight is own_q.weight and q.max_rows > 0
+                        for head, q in seen)
+    assert model.get_output_embeddings() is own and model.model.layers[0].self_attn.q_proj is own_q
+    assert not any(isinstance(module, PackedLinear) for module in model.modules())
+    for index, prompt in enumerate(prompts):
+        assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 5)
+
+
+def test_modules_given_back_when_the_forward_fails() -> None:
+    model = fresh_tiny_model("llama")
+    own = dict(model.named_modules())
+    with pytest.raises(RuntimeError, match="boom"), packed_forward(model):
+        assert isinstance(model.get_output_embeddings(), PackedLinear)
+        assert isinstance(model.model.layers[1].mlp.down_proj, PackedLinear)
+        raise RuntimeError("boom")
+    assert dict(model.named_modules()) == own
+
+
+def test_layers_packed_only_within_their_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fresh_tiny_model("llama")
+    head = model.get_output_embeddings().weight.nbytes
+    layers = sum(m.weight.nbytes for m in model.modules() if type(m) is nn.Linear) - head
+    assert pending_packed_bytes(fresh_tiny_model("llama")) == head + layers
+    monkeypatch.setattr(packed_weights, "LAYER_MEMORY_SHARE", 0.0)  # the layers' copies never fit
+    assert pending_packed_bytes(model) == head
+    with packed_forward(model):
+        assert isinstance(model.get_output_embeddings(), PackedLinear)
+        assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    assert pending_packed_bytes(model) == 0  # made: no longer pending
+    monkeypatch.setenv("CONTBATCH_PACK_WEIGHTS", "head")
+    monkeypatch.setattr(packed_weights, "LAYER_MEMORY_SHARE", 1.0)
+    assert pending_packed_bytes(model) == 0
+    monkeypatch.setenv("CONTBATCH_PACK_WEIGHTS", "0")
+    assert pending_packed_bytes(fresh_tiny_model("llama")) == 0
