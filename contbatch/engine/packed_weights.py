@@ -29,6 +29,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,16 +82,21 @@ class PackedLinear(nn.Module):
         self.max_rows = max_rows
         self.handle = next(_handles)
         self._packed_from: tuple[int, int] | None = None
+        # plain references: `nn.Module.__getattr__` on a parameter costs microseconds, and every forward checks
+        # a few hundred of these
+        self._parameters_of: tuple[torch.Tensor, torch.Tensor | None] = (linear.weight, linear.bias)
         weakref.finalize(self, _packed.pop, self.handle, None)
 
     def stands_for(self, linear: nn.Linear) -> bool:
-        return self.weight is linear.weight and self.bias is linear.bias
+        own = linear._parameters
+        return self._parameters_of[0] is own.get("weight") and self._parameters_of[1] is own.get("bias")
 
     def refresh(self) -> None:
         """Packs the weight again if its storage or version changed since the last packing."""
-        source = (self.weight.data_ptr(), self.weight._version)
+        weight = self._parameters_of[0]
+        source = (weight.data_ptr(), weight._version)
         if source != self._packed_from:
-            _packed[self.handle] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            _packed[self.handle] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._packed_from = source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,26 +160,60 @@ def weights_changed(model: nn.Module) -> None:
             packed._packed_from = None
 
 
+@dataclass
+class _Plan:
+    """What `packed_forward` swaps in `model`, found once and kept while it stays true (`holds`): the head and
+    its `PackedLinear`, and (parent, attribute, own module, its `PackedLinear`) for each layer."""
+
+    setting: str
+    head: nn.Module | None
+    packed_head: PackedLinear | None
+    swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]]
+
+    @classmethod
+    def of(cls, model: nn.Module, setting: str) -> _Plan:
+        head = _output_head(model)
+        sites = _layer_sites(model, head)
+        swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS))
+                 for parent, name, own in (sites if _packs_layers(model, sites) else [])]
+        packed_head = PackedLinear.for_linear(head) if packing_applies(head) else None  # type: ignore[arg-type]
+        return cls(setting, head, packed_head, swaps)
+
+    def holds(self, model: nn.Module, setting: str) -> bool:
+        """Whether the plan still describes `model`: same setting and head, every swapped module still in its
+        place with its own parameters, float32 on CPU (a module replaced or converted since makes a new plan)."""
+        if setting != self.setting or _output_head(model) is not self.head:
+            return False
+        if self.packed_head is not None and not self.packed_head.stands_for(self.head):  # type: ignore[arg-type]
+            return False
+        packed = [self.packed_head] if self.packed_head is not None else []
+        return (all(parent._modules.get(name) is own and swap.stands_for(own) for parent, name, own, swap in self.swaps)
+                and all(p._parameters_of[0].dtype == torch.float32 and p._parameters_of[0].is_cpu
+                        for p in packed + [swap[3] for swap in self.swaps]))
+
+
+_plans: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+
+
 @contextmanager
 def packed_forward(model: nn.Module) -> Iterator[None]:
     """Within the block, `model`'s output head and (memory permitting) its other linear layers are their fresh
     `PackedLinear`s, where packing applies; the model's own modules are back afterwards, also on errors."""
-    head = _output_head(model)
-    sites = _layer_sites(model, head)
-    swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS))
-             for parent, name, own in (sites if _packs_layers(model, sites) else [])]
-    packed_head = PackedLinear.for_linear(head) if packing_applies(head) else None  # type: ignore[arg-type]
-    for packed in [packed_head, *(swap[3] for swap in swaps)]:
+    setting = os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto")
+    plan = _plans.get(model)
+    if plan is None or not plan.holds(model, setting):
+        plan = _plans[model] = _Plan.of(model, setting)
+    for packed in [plan.packed_head, *(swap[3] for swap in plan.swaps)]:
         if packed is not None:
             packed.refresh()
     try:
-        if packed_head is not None:
-            model.set_output_embeddings(packed_head)  # type: ignore[operator]
-        for parent, name, _, packed in swaps:
-            setattr(parent, name, packed)
+        if plan.packed_head is not None:
+            model.set_output_embeddings(plan.packed_head)  # type: ignore[operator]
+        for parent, name, _, packed in plan.swaps:
+            parent._modules[name] = packed
         yield
     finally:
-        for parent, name, own, _ in swaps:
-            setattr(parent, name, own)
-        if packed_head is not None:
-            model.set_output_embeddings(head)  # type: ignore[operator]
+        for parent, name, own, _ in plan.swaps:
+            parent._modules[name] = own
+        if plan.packed_head is not None:
+            model.set_output_embeddings(plan.head)  # type: ignore[operator]

@@ -144,3 +144,20 @@ def test_layers_packed_only_within_their_memory_share(monkeypatch: pytest.Monkey
     assert pending_packed_bytes(model) == 0
     monkeypatch.setenv("CONTBATCH_PACK_WEIGHTS", "0")
     assert pending_packed_bytes(fresh_tiny_model("llama")) == 0
+
+
+def test_a_replaced_new_or_converted_module_is_seen_at_the_next_forward() -> None:
+    model = fresh_tiny_model("llama")
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    with packed_forward(model):
+        pass
+    attention.q_proj = replacement = nn.Linear(attention.q_proj.in_features, attention.q_proj.out_features)
+    mlp.up_proj.weight = new_weight = nn.Parameter(torch.randn_like(mlp.up_proj.weight))
+    with packed_forward(model):
+        q, up = attention.q_proj, mlp.up_proj
+        assert isinstance(q, PackedLinear) and isinstance(up, PackedLinear)
+        assert q.stands_for(replacement) and up.weight is new_weight
+    assert attention.q_proj is replacement and type(mlp.up_proj) is nn.Linear
+    model.to(torch.float64)
+    with packed_forward(model):
+        assert not any(isinstance(module, PackedLinear) for module in model.modules())
