@@ -126,7 +126,7 @@ def _layer_sites(model: nn.Module, head: nn.Module | None) -> list[tuple[nn.Modu
             if child is not head and packing_applies(child)]
 
 
-def _packs_layers(model: nn.Module, sites: list[tuple[nn.Module, str, nn.Linear]]) -> bool:
+def _packs_layers(sites: list[tuple[nn.Module, str, nn.Linear]]) -> bool:
     """Whether the layers' copies are made: not `CONTBATCH_PACK_WEIGHTS=head`, and their bytes within
     `LAYER_MEMORY_SHARE` of the machine's memory."""
     if os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto") == "head":
@@ -140,7 +140,7 @@ def pending_packed_bytes(model: nn.Module) -> int:
     sizing: copies made for an earlier engine on the model are already out of the free memory)."""
     head = _output_head(model)
     sites = _layer_sites(model, head)
-    linears = [linear for _, _, linear in sites] if _packs_layers(model, sites) else []
+    linears = [linear for _, _, linear in sites] if _packs_layers(sites) else []
     if packing_applies(head):
         linears.append(head)  # type: ignore[arg-type]
     return sum(linear.weight.nbytes for linear in linears if not _is_packed(linear))
@@ -175,7 +175,7 @@ class _Plan:
         head = _output_head(model)
         sites = _layer_sites(model, head)
         swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS))
-                 for parent, name, own in (sites if _packs_layers(model, sites) else [])]
+                 for parent, name, own in (sites if _packs_layers(sites) else [])]
         packed_head = PackedLinear.for_linear(head) if packing_applies(head) else None  # type: ignore[arg-type]
         return cls(setting, head, packed_head, swaps)
 
