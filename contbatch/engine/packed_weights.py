@@ -37,6 +37,7 @@ from torch import nn
 
 LAYER_MAX_ROWS = 256
 LAYER_MEMORY_SHARE = 0.1
+PLAN_ATTRIBUTE = "_contbatch_packed_plan"
 _handles = itertools.count()
 _packed: dict[int, torch.Tensor] = {}
 _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDictionary()
@@ -63,7 +64,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: 
 def packing_applies(linear: object) -> bool:
     """Whether `linear` can be packed: exactly an `nn.Linear` with a float32 CPU weight that tracks its version
     (not an inference tensor), oneDNN available, and packing not disabled (`CONTBATCH_PACK_WEIGHTS=0`)."""
-    if os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto") == "0" or type(linear) is not nn.Linear:
+    if _setting() == "0" or type(linear) is not nn.Linear:
         return False
     weight = linear.weight
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_inference()
@@ -129,7 +130,7 @@ def _layer_sites(model: nn.Module, head: nn.Module | None) -> list[tuple[nn.Modu
 def _packs_layers(sites: list[tuple[nn.Module, str, nn.Linear]]) -> bool:
     """Whether the layers' copies are made: not `CONTBATCH_PACK_WEIGHTS=head`, and their bytes within
     `LAYER_MEMORY_SHARE` of the machine's memory."""
-    if os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto") == "head":
+    if _setting() == "head":
         return False
     size = sum(linear.weight.nbytes for _, _, linear in sites)
     return size <= LAYER_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -163,7 +164,8 @@ def weights_changed(model: nn.Module) -> None:
 @dataclass
 class _Plan:
     """What `packed_forward` swaps in `model`, found once and kept while it stays true (`holds`): the head and
-    its `PackedLinear`, and (parent, attribute, own module, its `PackedLinear`) for each layer."""
+    its `PackedLinear`, and (parent, attribute, own module, its `PackedLinear`) for each layer. Kept on the model
+    object (`PLAN_ATTRIBUTE`), so it lives as long as the model (a parent may be the model itself)."""
 
     setting: str
     head: nn.Module | None
@@ -192,17 +194,18 @@ class _Plan:
                         for p in packed + [swap[3] for swap in self.swaps]))
 
 
-_plans: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+def _setting() -> str:
+    return os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto")
 
 
 @contextmanager
 def packed_forward(model: nn.Module) -> Iterator[None]:
     """Within the block, `model`'s output head and (memory permitting) its other linear layers are their fresh
     `PackedLinear`s, where packing applies; the model's own modules are back afterwards, also on errors."""
-    setting = os.environ.get("CONTBATCH_PACK_WEIGHTS", "auto")
-    plan = _plans.get(model)
+    setting = _setting()
+    plan: _Plan | None = model.__dict__.get(PLAN_ATTRIBUTE)
     if plan is None or not plan.holds(model, setting):
-        plan = _plans[model] = _Plan.of(model, setting)
+        plan = model.__dict__[PLAN_ATTRIBUTE] = _Plan.of(model, setting)
     for packed in [plan.packed_head, *(swap[3] for swap in plan.swaps)]:
         if packed is not None:
             packed.refresh()

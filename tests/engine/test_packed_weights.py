@@ -3,6 +3,9 @@ outside contbatch's forwards, traceable by torch.compile, and within their memor
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -161,3 +164,13 @@ def test_a_replaced_new_or_converted_module_is_seen_at_the_next_forward() -> Non
     model.to(torch.float64)
     with packed_forward(model):
         assert not any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+def test_the_swap_plan_does_not_keep_the_model_alive() -> None:
+    model = nn.Sequential(_linear(), nn.ReLU(), nn.Linear(300, 8))  # the model is the linears' parent
+    with packed_forward(model):
+        assert isinstance(model[0], PackedLinear)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
