@@ -34,6 +34,9 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     (2, 1, 128, 0.0),
     (1, 8, 32, 30.0),  # soft-capped logits (Gemma 2)
     (2, 2, 12, 0.0),   # head_dim not a multiple of 8: the scalar path
+    (1, 5, 40, 0.0),   # query heads in register groups of 4 then 1; columns 2 vectors at a time then 1
+    (2, 2, 24, 0.0),   # columns 4 vectors at a time then 1 at a time
+    (1, 7, 80, 0.0),
 ])
 def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float) -> None:
     kernel = paged_decode_kernel()

@@ -4,10 +4,11 @@
 // The decode kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
 // (request, kv head), the query heads of a GQA group sharing every key and value row they read.
 //
-// With AVX2 + FMA and a head_dim that is a multiple of 8, a task walks its positions 8 at a time in one pass
-// (online softmax): the 8 scores of each query head come out of 8 vector accumulators in one reduction, exp is
-// a vector polynomial, and values are accumulated 8 rows per load of the output. Elsewhere a scalar two-pass
-// loop computes the same function.
+// With AVX2 + FMA and a head_dim that is a multiple of 8, a task makes two passes. The first computes every score
+// (8 positions of one query head per reduction, exp as a vector polynomial), then an exact softmax over them; the
+// second sums the value rows weighted by the probabilities, 16 rows at a time with the output rows held in
+// registers. Each key row is prefetched 32 positions before it is read, each value row during the key pass.
+// Elsewhere a scalar two-pass loop computes the same function.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -127,53 +128,87 @@ static inline __m256 scores8(const float* qg, const float* const* kr, int64_t di
   return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
 }
 
-static void attend_avx2(const Task& t, std::vector<float>& acc, std::vector<float>& probs) {
-  const int64_t group = t.group, dim = t.dim, n = t.length;
-  acc.assign(group * dim, 0.f);
-  probs.resize(group * 8);
-  std::vector<float> row_max(group, -INFINITY), row_sum(group, 0.f);
-  const float* kr[8];
-  const float* vr[8];
-  for (int64_t j0 = t.first; j0 < n; j0 += 8) {
-    const int64_t count = std::min<int64_t>(8, n - j0);
-    for (int i = 0; i < 8; ++i) {
-      const int64_t slot = t.slots[j0 + std::min<int64_t>(i, count - 1)];
-      kr[i] = t.k + slot * dim;
-      vr[i] = t.v + slot * dim;
-    }
-    for (int64_t j = j0 + 16; j < std::min(j0 + 16 + kPrefetchAhead, n); ++j) {
-      prefetch_row(t.k + t.slots[j] * dim, dim);
-      prefetch_row(t.v + t.slots[j] * dim, dim);
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const __m256 s = scores8(t.q + g * dim, kr, dim, t, count);
-      const float new_max = std::max(row_max[g], hmax(s));
-      const float correction = std::exp(row_max[g] - new_max);
-      const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))),
-                                     _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-      row_max[g] = new_max;
-      row_sum[g] = row_sum[g] * correction + hsum(p);
-      _mm256_storeu_ps(probs.data() + g * 8, p);
-      float* ag = acc.data() + g * dim;
-      if (correction != 1.f)
-        for (int64_t c = 0; c < dim; c += 8)
-          _mm256_storeu_ps(ag + c, _mm256_mul_ps(_mm256_loadu_ps(ag + c), _mm256_set1_ps(correction)));
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      __m256 pb[8];
-      for (int i = 0; i < 8; ++i) pb[i] = _mm256_broadcast_ss(probs.data() + g * 8 + i);
-      float* ag = acc.data() + g * dim;
-      for (int64_t c = 0; c < dim; c += 8) {
-        __m256 a = _mm256_loadu_ps(ag + c);
-        for (int i = 0; i < 8; ++i) a = _mm256_fmadd_ps(pb[i], _mm256_loadu_ps(vr[i] + c), a);
-        _mm256_storeu_ps(ag + c, a);
-      }
+// out[g][c, c + 8 CN) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + 8 CN), g < GN: the
+// GN x CN output vectors stay in registers over the rows (independent FMA chains), each row is loaded once.
+template <int GN, int CN>
+static void accumulate_columns(const float* probs, int64_t stride, const float* const* vr, int64_t count,
+                               int64_t dim, int64_t c, float* out) {
+  __m256 a[GN][CN];
+  for (int g = 0; g < GN; ++g)
+    for (int k = 0; k < CN; ++k) a[g][k] = _mm256_loadu_ps(out + g * dim + c + 8 * k);
+  for (int64_t i = 0; i < count; ++i) {
+    __m256 b[GN];
+    for (int g = 0; g < GN; ++g) b[g] = _mm256_broadcast_ss(probs + g * stride + i);
+    for (int k = 0; k < CN; ++k) {
+      const __m256 v = _mm256_loadu_ps(vr[i] + c + 8 * k);
+      for (int g = 0; g < GN; ++g) a[g][k] = _mm256_fmadd_ps(b[g], v, a[g][k]);
     }
   }
+  for (int g = 0; g < GN; ++g)
+    for (int k = 0; k < CN; ++k) _mm256_storeu_ps(out + g * dim + c + 8 * k, a[g][k]);
+}
+
+// accumulate_columns over every column of the GN output rows, CN vectors at a time.
+template <int GN, int CN>
+static void accumulate_values(const float* probs, int64_t stride, const float* const* vr, int64_t count,
+                              int64_t dim, float* out) {
+  int64_t c = 0;
+  for (; c + 8 * CN <= dim; c += 8 * CN) accumulate_columns<GN, CN>(probs, stride, vr, count, dim, c, out);
+  for (; c < dim; c += 8) accumulate_columns<GN, 1>(probs, stride, vr, count, dim, c, out);
+}
+
+constexpr int64_t kValueRows = 16;
+constexpr int64_t kKeyPrefetch = 32;
+
+static void attend_avx2(const Task& t, std::vector<float>& scores, std::vector<float>&) {
+  const int64_t group = t.group, dim = t.dim, first = t.first, n = t.length;
+  const int64_t stride = (n - first + 7) / 8 * 8;
+  scores.resize(group * stride);
+  const float* rows[kValueRows];
+  for (int64_t j = first; j < std::min(first + kKeyPrefetch, n); ++j) prefetch_row(t.k + t.slots[j] * dim, dim);
+  for (int64_t j = first; j < std::min(first + 8, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+  for (int64_t j0 = first; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    for (int i = 0; i < 8; ++i) rows[i] = t.k + t.slots[j0 + std::min<int64_t>(i, count - 1)] * dim;
+    for (int64_t j = j0 + kKeyPrefetch; j < std::min(j0 + kKeyPrefetch + 8, n); ++j)
+      prefetch_row(t.k + t.slots[j] * dim, dim);
+    for (int64_t j = j0 + 8; j < std::min(j0 + 16, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+    for (int64_t g = 0; g < group; ++g)
+      _mm256_storeu_ps(scores.data() + g * stride + (j0 - first), scores8(t.q + g * dim, rows, dim, t, count));
+  }
+  for (int64_t j = first; j < std::min(first + kValueRows, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
   for (int64_t g = 0; g < group; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / row_sum[g]);
-    for (int64_t c = 0; c < dim; c += 8)
-      _mm256_storeu_ps(t.out + g * dim + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + g * dim + c), inv));
+    float* s = scores.data() + g * stride;
+    __m256 high = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < stride; c += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(s + c));
+    const __m256 top = _mm256_set1_ps(hmax(high)), none = _mm256_set1_ps(-INFINITY);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < stride; c += 8) {
+      const __m256 x = _mm256_loadu_ps(s + c);
+      const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, top)), _mm256_cmp_ps(x, none, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(s + c, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+    for (int64_t c = 0; c < stride; c += 8) _mm256_storeu_ps(s + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), inv));
+    std::fill(t.out + g * dim, t.out + (g + 1) * dim, 0.f);
+  }
+  for (int64_t j0 = first; j0 < n; j0 += kValueRows) {
+    const int64_t count = std::min<int64_t>(kValueRows, n - j0);
+    for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
+    for (int64_t j = j0 + kValueRows; j < std::min(j0 + 2 * kValueRows, n); ++j)
+      prefetch_row(t.v + t.slots[j] * dim, dim);
+    const float* p = scores.data() + (j0 - first);
+    for (int64_t g = 0; g < group; g += 4) {
+      float* out = t.out + g * dim;
+      const float* pg = p + g * stride;
+      switch (std::min<int64_t>(4, group - g)) {
+        case 1: accumulate_values<1, 8>(pg, stride, rows, count, dim, out); break;
+        case 2: accumulate_values<2, 4>(pg, stride, rows, count, dim, out); break;
+        case 3: accumulate_values<3, 4>(pg, stride, rows, count, dim, out); break;
+        default: accumulate_values<4, 2>(pg, stride, rows, count, dim, out); break;
+      }
+    }
   }
 }
 #endif
