@@ -43,9 +43,8 @@ _packed: dict[int, torch.Tensor] = {}
 _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDictionary()
 
 
-@torch.library.custom_op("contbatch::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-                  max_rows: int) -> torch.Tensor:
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+                   max_rows: int) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: through the prepacked copy of `weight` registered under `handle` (by
     `PackedLinear.refresh`, which the caller ran before the forward) when `x` has at most `max_rows` rows (0: any
     number), else through `F.linear` itself."""
@@ -53,6 +52,13 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if max_rows and rows > max_rows:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed[handle], bias, "none", [], "")
+
+
+@torch.library.custom_op("contbatch::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+                  max_rows: int) -> torch.Tensor:
+    """`packed_product` as an op that a compiled graph calls without tracing into it."""
+    return packed_product(x, weight, bias, handle, max_rows)
 
 
 @packed_linear.register_fake
@@ -101,10 +107,12 @@ class PackedLinear(nn.Module):
             self._packed_from = source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if needs_grad or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
-        return packed_linear(x, self.weight, self.bias, self.handle, self.max_rows)
+        compiling = torch.compiler.is_compiling()
+        weight, bias = (self.weight, self.bias) if compiling else self._parameters_of
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if needs_grad or x.dtype != weight.dtype:
+            return F.linear(x, weight, bias)
+        return (packed_linear if compiling else packed_product)(x, weight, bias, self.handle, self.max_rows)
 
     @classmethod
     def for_linear(cls, linear: nn.Linear, max_rows: int = 0) -> PackedLinear:
