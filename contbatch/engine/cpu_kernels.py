@@ -1,5 +1,5 @@
-"""contbatch's CPU kernels (paged decode attention, and the write of new K/V rows into the cache), compiled on
-first use with torch's C++ extension builder.
+"""contbatch's CPU kernels (paged decode attention, the write of new K/V rows into the cache, greedy argmax),
+compiled on first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; the result is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
 under ~/.cache), so only the first process on a machine pays the ~20 s build. Where the build fails, or with
@@ -42,10 +42,21 @@ def kv_row_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None
     return None if module is None else module.write_rows
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for [N, vocab] logits: through the kernels' `row_argmax` (one vectorised pass for the
+    maximum, one for its first index) for contiguous float32 CPU logits when the kernels are built, else
+    `torch.argmax`, which takes several times as long over a decode step's logits."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        module = kernel_module()
+        if module is not None:
+            return module.row_argmax(logits.contiguous())
+    return logits.argmax(dim=-1)
+
+
 @functools.cache
 def kernel_module() -> Any:
-    """The built extension (`paged_decode_attention`, `write_rows`, and `parallel_threads()`: how many threads its
-    `at::parallel_for` runs on), or None when disabled or not buildable."""
+    """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, and `parallel_threads()`: how
+    many threads its `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     try:

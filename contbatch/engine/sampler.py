@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contbatch.engine.cpu_kernels import greedy_tokens
 from contbatch.engine.logits_processors import TokenHistory, apply_processors
 from contbatch.engine.sampling_params import SamplingParams
 
@@ -83,11 +84,11 @@ class Sampler:
         if len(params) != n or len(generators) != n:
             raise ValueError(f"got {n} logits rows, {len(params)} params and {len(generators)} generators")
         adjusted = apply_processors(logits, params, histories)
-        token_ids = adjusted.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
+        whole = len(sampled) == n
+        token_ids = adjusted.new_empty(0, dtype=torch.long) if whole else greedy_tokens(adjusted)
         processed = None
         if sampled:
-            whole = len(sampled) == n
             rows = None if whole else torch.tensor(sampled, device=logits.device)
             scores = process_logits(adjusted if rows is None else adjusted.index_select(0, rows),
                                     params if whole else [params[i] for i in sampled])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contbatch.engine.cpu_kernels import kernel_module, kv_row_writer, paged_decode_kernel
+from contbatch.engine.cpu_kernels import greedy_tokens, kernel_module, kv_row_writer, paged_decode_kernel
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
 
 BLOCK = 16
@@ -105,3 +105,20 @@ def test_cache_write_goes_through_the_row_writer_and_stores_what_index_copy_woul
     key, value = torch.randn(4, 2, 16).transpose(0, 1), torch.randn(2, 4, 16)
     cache.write(1, slots, key, value)
     assert torch.equal(cache.keys[1][:, slots], key) and torch.equal(cache.values[1][:, slots], value)
+
+
+@pytest.mark.parametrize("width", [1, 7, 31, 32, 33, 1000, 49152])
+def test_greedy_tokens_match_torch_argmax(width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(9, width, generator=generator)
+    logits[1] = 0.5  # a row of ties: the first index
+    logits[2, width // 2:] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, -1] = float("nan")  # NaN counts as the maximum
+    logits[5, width // 3] = float("nan")
+    logits[5, -1] = float("nan")
+    logits[6, 0], logits[6, -1] = -0.0, 0.0
+    logits[6, 1:-1] = -1.0
+    assert kernel_module() is not None
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits[:, : max(width - 1, 1)]), logits[:, : max(width - 1, 1)].argmax(-1))

@@ -294,6 +294,55 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   return output;
 }
 
+// The index of the first maximal element of x[0, n), NaN counting as the maximum (torch.argmax's rule).
+static int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  bool nan = false;
+#ifdef CONTBATCH_AVX2
+  __m256 high[4], unordered = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) high[k] = _mm256_set1_ps(-INFINITY);
+  for (; i + 32 <= n; i += 32)
+    for (int k = 0; k < 4; ++k) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * k);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      high[k] = _mm256_max_ps(high[k], v);
+    }
+  best = hmax(_mm256_max_ps(_mm256_max_ps(high[0], high[1]), _mm256_max_ps(high[2], high[3])));
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  if (nan) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+  int64_t j = 0;
+#ifdef CONTBATCH_AVX2
+  const __m256 target = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (mask != 0) return j + __builtin_ctz(mask);
+  }
+#endif
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;
+}
+
+// logits: [N, V] float32 contiguous. Returns [N] int64, row r's `argmax_row`: torch.argmax(logits, -1).
+torch::Tensor row_argmax(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.dtype() == torch::kFloat32 && logits.is_contiguous());
+  TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  const float* x = logits.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(x + r * cols, cols);
+  });
+  return out;
+}
+
 // How many threads at::parallel_for runs this extension's loops on (1 when it was built without OpenMP).
 int64_t parallel_threads() {
   std::vector<int> used(at::get_num_threads() + 1, 0);
@@ -304,5 +353,6 @@ int64_t parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_rows", &write_rows, "store K/V rows at cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32), as torch.argmax");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }
