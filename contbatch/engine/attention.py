@@ -84,6 +84,8 @@ class AttentionGroup:
         kv_slots: for each layer group of the cache, [batch_size * layout.length] the slots of those keys.
         real_queries: indices into the flattened padded queries of the real ones, or None when there is no
             padding; the outputs of those go to `query_rows[real_queries]`.
+        whole_batch: the group's queries are every row of the packed batch in order, unpadded (`query_rows` is
+            0..rows-1): its output is the layer's, with no gather or scatter.
     """
 
     batch_size: int
@@ -93,6 +95,7 @@ class AttentionGroup:
     layouts: list[KeyLayout]
     kv_slots: list[torch.Tensor]
     real_queries: torch.Tensor | None = None
+    whole_batch: bool = False
 
 
 @dataclass
@@ -162,6 +165,9 @@ def paged_attention_for_layer(
                            f"the last {kept} positions: the model config's layer_types/sliding_window disagree")
     queries = query[0].transpose(0, 1)
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
+    if len(metadata.groups) == 1 and metadata.groups[0].whole_batch:
+        return _attend_group(metadata.groups[0], cache_group, queries, metadata.cache, layer, sliding_window,
+                             scaling, softcap).unsqueeze(0)
     output = torch.empty_like(queries)
     for group in metadata.groups:
         attended = _attend_group(group, cache_group, queries, metadata.cache, layer, sliding_window, scaling,
@@ -189,7 +195,7 @@ def _attend_group(
     layout, kv_slots = group.layouts[cache_group], group.kv_slots[cache_group]
     batch, num_queries, context = group.batch_size, group.num_queries, layout.length
     num_heads, head_dim = queries.shape[1], queries.shape[2]
-    q = queries.index_select(0, group.query_rows)
+    q = queries.contiguous() if group.whole_batch else queries.index_select(0, group.query_rows)
     kernel = _decode_kernel_for(group, q, cache)
     if kernel is not None:
         lengths = group.query_positions[:, 0] + 1

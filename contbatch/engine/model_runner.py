@@ -198,6 +198,8 @@ class ModelRunner:
                                              MAX_PADDING if self.device.type == "cpu" else None)
         groups = [_attention_group(members, counts, starts, offsets, block_tables, block_size, self.windows)
                   for members in member_sets]
+        if len(groups) == 1 and groups[0].real_queries is None:
+            groups[0].whole_batch = torch.equal(groups[0].query_rows, torch.arange(len(token_ids)))
         metadata = PagedAttentionMetadata(self.cache, slot_mapping.to(self.device), [
             _to_device(group, self.device) for group in groups
         ])

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
+from contbatch.engine.engine import LLMEngine
 from contbatch.engine.model_runner import MAX_PADDING, _padding_bounded_sets
+from contbatch.engine.scheduler import SchedulerOutput
 from tests.conftest import random_prompts, reference_generate, tiny_model
 
 
@@ -47,3 +51,32 @@ def test_mixed_lengths_keep_parity() -> None:
                              progress_bar=False)
     for index, prompt in enumerate(prompts):
         assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 6)
+
+
+def _groups_of_each_step(lengths: list[int]) -> list[tuple[list[int], list[bool]]]:
+    """For each step of a run on prompts of `lengths`: its requests' token counts and its groups' `whole_batch`."""
+    engine = LLMEngine(tiny_model("llama"), GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=None),
+                       ContinuousBatchingConfig(block_size=8, max_batch_tokens=64))
+    seen: list[tuple[list[int], list[bool]]] = []
+    prepare = engine.model_runner.prepare
+
+    def recording(scheduler_output: SchedulerOutput) -> Any:
+        prepared = prepare(scheduler_output)
+        seen.append(([len(entry.token_ids) for entry in scheduler_output.requests],
+                     [group.whole_batch for group in prepared[3].groups]))
+        return prepared
+
+    engine.model_runner.prepare = recording  # type: ignore[method-assign]
+    for index, prompt in enumerate(random_prompts(lengths, seed=3)):
+        engine.add_request(prompt, f"r{index}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    return seen
+
+
+def test_a_step_of_one_unpadded_group_attends_without_gather() -> None:
+    """Decode steps and a lone prefill form one group over the whole batch in order (`whole_batch`: the layer
+    output is the group's); a padded group does not."""
+    assert _groups_of_each_step([20, 21]) == [([20, 21], [False]), ([1, 1], [True]), ([1, 1], [True])]
+    assert _groups_of_each_step([12]) == [([12], [True]), ([1], [True]), ([1], [True])]
