@@ -1,10 +1,10 @@
-"""contbatch's CPU kernels (paged decode attention, the write of new K/V rows into the cache, greedy argmax),
-compiled on first use with torch's C++ extension builder.
+"""contbatch's CPU kernels (paged decode attention, the write of new K/V rows into the cache, greedy argmax, the
+linear layers' product over panel-packed weights), compiled on first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; the result is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
 under ~/.cache), so only the first process on a machine pays the ~20 s build. Where the build fails, or with
 `CONTBATCH_CPU_KERNELS=0`, attention falls back to PyTorch's SDPA on gathered K/V and the cache is written with
-`index_copy_` (same results, slower).
+`index_copy_` (same results, slower), and the linear layers take oneDNN (`packed_weights`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_SOURCES = (Path(__file__).parent / "csrc" / "cpu_kernels.cpp", Path(__file__).parent / "csrc" / "panel_gemm.cpp")
+PANEL = 16
 
 DecodeKernel = Callable[..., torch.Tensor]
 
@@ -64,10 +65,11 @@ def kernel_module() -> Any:
 
         # -march=native: the build is only valid on this kind of CPU, so its flags are part of the name.
         openmp = _openmp_flags()
-        digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode() + " ".join(openmp).encode())
+        sources = b"".join(source.read_bytes() for source in _SOURCES)
+        digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join(openmp).encode())
         module = load(
             name=f"contbatch_paged_decode_{digest.hexdigest()[:12]}",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=["-O3", "-march=native", *openmp],
             extra_ldflags=openmp,
             verbose=False,
@@ -76,6 +78,31 @@ def kernel_module() -> Any:
         logger.warning("contbatch: CPU decode kernel unavailable (%s); using SDPA", error)
         return None
     return module
+
+
+PanelLinear = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
+
+
+@functools.cache
+def panel_gemm() -> PanelLinear | None:
+    """The compiled `panel_linear(x, panels, out_features, bias)`: `F.linear(x, weight, bias)` for x [M, K] float32
+    contiguous and `panels = pack_panels(weight)`, one FMA chain over k per output, so a row's result does not
+    depend on the other rows. None without AVX2 + FMA, when the kernels are not built, or with
+    `CONTBATCH_PANEL_GEMM=0`."""
+    module = kernel_module()
+    if module is None or os.environ.get("CONTBATCH_PANEL_GEMM", "1") == "0" or not module.has_panel_gemm():
+        return None
+    return module.panel_linear  # type: ignore[no-any-return]
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as the panels `panel_linear` reads: [ceil(N / 16), K, 16], panel p holding output features
+    16p .. 16p + 15 (zeros past N), contiguous."""
+    out_features, in_features = weight.shape
+    padded = -out_features % PANEL
+    if padded:
+        weight = torch.cat([weight, weight.new_zeros(padded, in_features)])
+    return weight.reshape(weight.shape[0] // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
 
 
 def _openmp_flags() -> list[str]:

@@ -1,11 +1,14 @@
-"""The model's linear layers through oneDNN with prepacked weights, for contbatch's CPU float32 forwards.
+"""The model's linear layers over prepacked weights, for contbatch's CPU float32 forwards.
 
-On CPU, float32, `F.linear` (MKL) runs the products of a decode step below the machine's GEMM rate. oneDNN with
-the weight reordered once into its blocked layout runs the vocabulary projection (LM head) 1.4-2.9x faster at
-every batch size, and the layers' projections 1.1-1.5x faster at the row counts of decode steps, with the weights
-streamed from memory as they are in a real forward (docs/performance.md). At a few hundred rows and more (prefill
-chunks) MKL is as fast or faster for the layers, so a layer's product takes oneDNN only up to `LAYER_MAX_ROWS`
-rows; the head takes it always.
+On CPU, float32, `F.linear` (MKL) runs the products of a decode step well below the machine's GEMM rate. Where
+the CPU kernels are built with AVX2 + FMA (`cpu_kernels.panel_gemm`), each layer's weight is packed once into
+16-column panels and its products run through that kernel: 1.3-1.7x oneDNN's prepacked product at the 32 rows of
+a serving decode step, 1.1x at 128 (docs/performance.md). Each row's result is one FMA chain over k, independent
+of the other rows. The vocabulary projection (LM head), and the layers where the panel kernel is not built, are
+reordered once into oneDNN's blocked layout: 1.4-2.9x `F.linear` for the head at every batch size (where oneDNN
+also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at decode sizes. At a few hundred rows
+and more (prefill chunks) MKL is as fast for the layers, so a layer's product takes its packed copy only up to
+`LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always.
 
 `packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
 through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of
@@ -19,12 +22,14 @@ covers writes that bypass the version counter). A compiled forward calls the pro
 The copies cost memory: the head's always, the layers' (about the model's size) only when they fit in
 `LAYER_MEMORY_SHARE` of the machine's memory (`pending_packed_bytes` says how much, for the KV cache's
 sizing).
-`CONTBATCH_PACK_WEIGHTS=head` packs only the head, `CONTBATCH_PACK_WEIGHTS=0` nothing.
+`CONTBATCH_PACK_WEIGHTS=head` packs only the head, `CONTBATCH_PACK_WEIGHTS=0` nothing; `CONTBATCH_PANEL_GEMM=0`
+keeps oneDNN where the panel kernel would run.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import weakref
 from collections.abc import Iterator
@@ -35,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contbatch.engine.cpu_kernels import pack_panels, panel_gemm
+
 LAYER_MAX_ROWS = 256
 LAYER_MEMORY_SHARE = 0.1
 PLAN_ATTRIBUTE = "_contbatch_packed_plan"
@@ -44,26 +51,32 @@ _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDi
 
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-                   max_rows: int) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: through the prepacked copy of `weight` registered under `handle` (by
-    `PackedLinear.refresh`, which the caller ran before the forward) when `x` has at most `max_rows` rows (0: any
-    number), else through `F.linear` itself."""
-    rows = x.numel() // max(x.shape[-1], 1)
+                   max_rows: int, panels: bool) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: through `F.linear` itself when `x` has more than `max_rows` rows (0: no limit),
+    else through the packed copy of `weight` registered under `handle` (by `PackedLinear.refresh`, which the caller
+    ran before the forward): by the panel kernel when `panels` asks for it and it is built, else by oneDNN (the
+    layout `refresh` packed in by the same rule)."""
+    rows = math.prod(x.shape[:-1])
     if max_rows and rows > max_rows:
         return F.linear(x, weight, bias)
+    gemm = panel_gemm() if panels else None
+    if gemm is not None:
+        out = gemm(x.reshape(rows, x.shape[-1]).contiguous(), _packed[handle], weight.shape[0],
+                   None if bias is None else bias.contiguous())
+        return out.view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed[handle], bias, "none", [], "")
 
 
 @torch.library.custom_op("contbatch::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-                  max_rows: int) -> torch.Tensor:
+                  max_rows: int, panels: bool) -> torch.Tensor:
     """`packed_product` as an op that a compiled graph calls without tracing into it."""
-    return packed_product(x, weight, bias, handle, max_rows)
+    return packed_product(x, weight, bias, handle, max_rows, panels)
 
 
 @packed_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-      max_rows: int) -> torch.Tensor:
+      max_rows: int, panels: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -79,16 +92,18 @@ def packing_applies(linear: object) -> bool:
 
 class PackedLinear(nn.Module):
     """Stands for an `nn.Linear` (the same parameters, the same function) inside contbatch's forwards. Without
-    grad its product runs through the prepacked weight (up to `max_rows` rows; 0: any number); a forward that
+    grad its product runs through the prepacked weight (up to `max_rows` rows; 0: any number), in panels for the
+    panel kernel when `panels` asks for them and the kernel is built, else in oneDNN's layout; a forward that
     needs grad, or whose input has another dtype than the weight, runs `F.linear`."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int) -> None:
+    def __init__(self, linear: nn.Linear, max_rows: int, panels: bool = False) -> None:
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.max_rows = max_rows
+        self.panels = panels
         self.handle = next(_handles)
-        self._packed_from: tuple[int, int] | None = None
+        self._packed_from: tuple[int, int, bool] | None = None
         # plain references: `nn.Module.__getattr__` on a parameter costs microseconds, and every forward checks
         # a few hundred of these
         self._parameters_of: tuple[torch.Tensor, torch.Tensor | None] = (linear.weight, linear.bias)
@@ -99,11 +114,15 @@ class PackedLinear(nn.Module):
         return self._parameters_of[0] is own.get("weight") and self._parameters_of[1] is own.get("bias")
 
     def refresh(self) -> None:
-        """Packs the weight again if its storage or version changed since the last packing."""
+        """Packs the weight again if its storage, its version or the packing's kind (panels or oneDNN) changed since
+        the last packing."""
         weight = self._parameters_of[0]
-        source = (weight.data_ptr(), weight._version)
+        panels = self.panels and panel_gemm() is not None
+        source = (weight.data_ptr(), weight._version, panels)
         if source != self._packed_from:
-            _packed[self.handle] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            detached = weight.detach()
+            _packed[self.handle] = (pack_panels(detached) if panels
+                                    else torch.ops.mkldnn._reorder_linear_weight(detached, None))
             self._packed_from = source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,15 +131,17 @@ class PackedLinear(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if needs_grad or x.dtype != weight.dtype:
             return F.linear(x, weight, bias)
-        return (packed_linear if compiling else packed_product)(x, weight, bias, self.handle, self.max_rows)
+        product = packed_linear if compiling else packed_product
+        return product(x, weight, bias, self.handle, self.max_rows, self.panels)
 
     @classmethod
-    def for_linear(cls, linear: nn.Linear, max_rows: int = 0) -> PackedLinear:
+    def for_linear(cls, linear: nn.Linear, max_rows: int = 0, panels: bool = False) -> PackedLinear:
         """The `PackedLinear` of `linear`: one per module while its parameters stay the same objects, so that a
         compiled forward keeps seeing one module. It holds the parameters, not `linear`."""
         packed = _modules.get(linear)
-        if packed is None or not packed.stands_for(linear) or packed.max_rows != max_rows:
-            packed = _modules[linear] = cls(linear, max_rows)
+        if (packed is None or not packed.stands_for(linear) or packed.max_rows != max_rows
+                or packed.panels != panels):
+            packed = _modules[linear] = cls(linear, max_rows, panels)
         return packed
 
 
@@ -184,7 +205,7 @@ class _Plan:
     def of(cls, model: nn.Module, setting: str) -> _Plan:
         head = _output_head(model)
         sites = _layer_sites(model, head)
-        swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS))
+        swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS, panels=True))
                  for parent, name, own in (sites if _packs_layers(sites) else [])]
         packed_head = PackedLinear.for_linear(head) if packing_applies(head) else None  # type: ignore[arg-type]
         return cls(setting, head, packed_head, swaps)

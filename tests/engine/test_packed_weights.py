@@ -1,10 +1,11 @@
-"""The oneDNN-prepacked linear layers: same function as the model's own modules, never stale, never visible
-outside contbatch's forwards, traceable by torch.compile, and within their memory bound."""
+"""The prepacked linear layers (panel kernel, or oneDNN): same function as the model's own modules, never stale,
+never visible outside contbatch's forwards, traceable by torch.compile, and within their memory bound."""
 
 from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.engine import packed_weights
+from contbatch.engine import cpu_kernels, packed_weights
 from contbatch.engine.packed_weights import (
     PackedLinear,
     packed_forward,
@@ -24,6 +25,20 @@ from contbatch.engine.packed_weights import (
 from tests.conftest import fresh_tiny_model, random_prompts, reference_generate
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+KINDS = ["panels", "onednn"]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each test with this fixture runs with the panel kernel (skipped where it is not built) and with oneDNN."""
+    if request.param == "onednn":
+        monkeypatch.setenv("CONTBATCH_PANEL_GEMM", "0")
+    cpu_kernels.panel_gemm.cache_clear()
+    if request.param == "panels" and cpu_kernels.panel_gemm() is None:
+        pytest.skip("the panel kernel is not built here")
+    yield request.param
+    monkeypatch.undo()
+    cpu_kernels.panel_gemm.cache_clear()
 
 
 def _linear(bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear:
@@ -44,22 +59,23 @@ def test_which_linears_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(5, 32), (1, 7, 32), (1, 0, 32), (1, 9, 32)])
-def test_same_function_as_the_linear(bias: bool, shape: tuple[int, ...]) -> None:
+def test_same_function_as_the_linear(kind: str, bias: bool, shape: tuple[int, ...]) -> None:
     linear = _linear(bias)
-    head = PackedLinear.for_linear(linear, max_rows=8)  # (1, 9, 32): more rows than that, F.linear's path
+    head = PackedLinear.for_linear(linear, max_rows=8, panels=True)  # (1, 9, 32): over 8 rows, F.linear
     head.refresh()
     x = torch.randn(shape)
     with torch.no_grad():
         torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
-    assert PackedLinear.for_linear(linear, max_rows=8) is head
+    assert PackedLinear.for_linear(linear, max_rows=8, panels=True) is head
+    assert PackedLinear.for_linear(linear, max_rows=8) is not head
     # another dtype (autocast, say) takes F.linear's own rules, here its error
     with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
             head(x.to(torch.float64))
 
 
-def test_repacks_after_every_kind_of_weight_change() -> None:
+def test_repacks_after_every_kind_of_weight_change(kind: str) -> None:
     linear = _linear()
-    head = PackedLinear.for_linear(linear)
+    head = PackedLinear.for_linear(linear, panels=True)
     x = torch.randn(3, 32)
 
     def check() -> None:
@@ -77,7 +93,14 @@ def test_repacks_after_every_kind_of_weight_change() -> None:
     check()
     linear.weight = nn.Parameter(torch.randn(300, 32))  # a new parameter: a new PackedLinear stands for it
     assert not head.stands_for(linear)
-    head = PackedLinear.for_linear(linear)
+    head = PackedLinear.for_linear(linear, panels=True)
+    check()
+    other = "0" if kind == "panels" else "1"  # the other kind of packing: packed again in its layout
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CONTBATCH_PANEL_GEMM", other)
+        cpu_kernels.panel_gemm.cache_clear()
+        check()
+    cpu_kernels.panel_gemm.cache_clear()
     check()
 
 
@@ -93,9 +116,9 @@ def test_grad_forward_is_f_linear() -> None:
     torch.testing.assert_close(weight_grad, expected[1])
 
 
-def test_compiles_without_graph_break() -> None:
+def test_compiles_without_graph_break(kind: str) -> None:
     linear = _linear(bias=True)
-    head = PackedLinear.for_linear(linear, max_rows=4)
+    head = PackedLinear.for_linear(linear, max_rows=4, panels=True)
     head.refresh()
     x = torch.randn(6, 32)
     compiled = torch.compile(head, backend="aot_eager", fullgraph=True)
@@ -103,7 +126,7 @@ def test_compiles_without_graph_break() -> None:
         torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-def test_only_contbatch_forwards_see_them() -> None:
+def test_only_contbatch_forwards_see_them(kind: str) -> None:
     model = fresh_tiny_model("llama")
     own, own_q = model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj
     seen: list[tuple[nn.Module, nn.Module]] = []
@@ -113,8 +136,8 @@ def test_only_contbatch_forwards_see_them() -> None:
     config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
     outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
     assert seen and all(isinstance(head, PackedLinear) and head.weight is own.weight and head.max_rows == 0
-                        and isinstance(q, PackedLinear) and q.weight is own_q.weight and q.max_rows > 0
-                        for head, q in seen)
+                        and not head.panels and isinstance(q, PackedLinear) and q.weight is own_q.weight
+                        and q.max_rows > 0 and q.panels for head, q in seen)
     assert model.get_output_embeddings() is own and model.model.layers[0].self_attn.q_proj is own_q
     assert not any(isinstance(module, PackedLinear) for module in model.modules())
     for index, prompt in enumerate(prompts):

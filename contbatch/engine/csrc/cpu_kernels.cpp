@@ -350,9 +350,16 @@ int64_t parallel_threads() {
   return std::count(used.begin(), used.end(), 1);
 }
 
+// panel_gemm.cpp
+bool has_panel_gemm();
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                           const c10::optional<torch::Tensor>& bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_rows", &write_rows, "store K/V rows at cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32), as torch.argmax");
+  m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
+  m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }

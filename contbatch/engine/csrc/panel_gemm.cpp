@@ -1,0 +1,141 @@
+// A float32 linear layer over a weight prepacked in column panels, for the row counts of decode and prefill steps.
+//
+// The weight [N, K] is stored as panels [P, K, 16] (P = ceil(N / 16), the last one zero-padded): panel p holds
+// output features 16p .. 16p + 15, one 64-byte line per k. A task is one panel; the rows are taken in blocks that
+// stay in L2 (about 384 KiB of input a block), and each block in tiles of up to 6 rows whose 6 x 16 outputs live in
+// 12 AVX2 registers while k runs: per k, two loads of the panel line and 6 broadcasts feed 12 FMAs. Every output is
+// one FMA chain over k in order, so a row's result does not depend on the other rows of the batch. While a panel's
+// tiles run, the next panel's lines are prefetched, a share before each tile (the first tile of a panel would
+// otherwise wait on memory: the weights do not stay in cache from one step to the next).
+//
+// Without AVX2 + FMA nothing is built here (`has_panel_gemm()` is false) and the caller keeps its other path.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kTileRows = 6;
+constexpr int64_t kBlockFloats = 96 * 1024;
+
+// Named accumulators (not arrays): GCC keeps arrays of __m256 in memory and stores them at every k.
+template <int R>
+inline void tile(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t ncols,
+                 const float* bias) {
+  const float* x0 = x;
+  const float* x1 = x + (R > 1 ? 1 : 0) * K;
+  const float* x2 = x + (R > 2 ? 2 : 0) * K;
+  const float* x3 = x + (R > 3 ? 3 : 0) * K;
+  const float* x4 = x + (R > 4 ? 4 : 0) * K;
+  const float* x5 = x + (R > 5 ? 5 : 0) * K;
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 a = _mm256_broadcast_ss(x0 + k);
+    c00 = _mm256_fmadd_ps(a, b0, c00);
+    c01 = _mm256_fmadd_ps(a, b1, c01);
+    if constexpr (R > 1) {
+      a = _mm256_broadcast_ss(x1 + k);
+      c10 = _mm256_fmadd_ps(a, b0, c10);
+      c11 = _mm256_fmadd_ps(a, b1, c11);
+    }
+    if constexpr (R > 2) {
+      a = _mm256_broadcast_ss(x2 + k);
+      c20 = _mm256_fmadd_ps(a, b0, c20);
+      c21 = _mm256_fmadd_ps(a, b1, c21);
+    }
+    if constexpr (R > 3) {
+      a = _mm256_broadcast_ss(x3 + k);
+      c30 = _mm256_fmadd_ps(a, b0, c30);
+      c31 = _mm256_fmadd_ps(a, b1, c31);
+    }
+    if constexpr (R > 4) {
+      a = _mm256_broadcast_ss(x4 + k);
+      c40 = _mm256_fmadd_ps(a, b0, c40);
+      c41 = _mm256_fmadd_ps(a, b1, c41);
+    }
+    if constexpr (R > 5) {
+      a = _mm256_broadcast_ss(x5 + k);
+      c50 = _mm256_fmadd_ps(a, b0, c50);
+      c51 = _mm256_fmadd_ps(a, b1, c51);
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols)), lane);
+  const __m256i high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols) - 8), lane);
+  const __m256 d0 = bias ? _mm256_maskload_ps(bias, low) : _mm256_setzero_ps();
+  const __m256 d1 = bias ? _mm256_maskload_ps(bias + 8, high) : _mm256_setzero_ps();
+  const __m256 out[2 * kTileRows] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(y + r * ldy, low, _mm256_add_ps(out[2 * r], d0));
+    _mm256_maskstore_ps(y + r * ldy + 8, high, _mm256_add_ps(out[2 * r + 1], d1));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+}  // namespace
+
+bool has_panel_gemm() { return true; }
+
+// x [M, K] float32 contiguous; panels [P, K, 16] float32 contiguous with 16 (P - 1) < N <= 16 P; bias [N] or None.
+// Returns x @ W.T + bias, [M, N].
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.dtype() == torch::kFloat32 && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(2) == kPanel,
+              "panels: [P, K, 16] contiguous float32 with the K of x");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
+  const float* bias_data = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->dtype() == torch::kFloat32 && bias->is_contiguous(),
+                "bias: [N] contiguous float32");
+    bias_data = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* ps = panels.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  const int64_t block = std::max<int64_t>(kTileRows, kBlockFloats / std::max<int64_t>(K, 1) / kTileRows * kTileRows);
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t m1 = std::min(M, m0 + block);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t ncols = std::min(kPanel, N - p * kPanel);
+        const float* b = bias_data ? bias_data + p * kPanel : nullptr;
+        const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+        const int64_t next_lines = p + 1 < end ? K : 0;
+        const int64_t lines_per_tile = (next_lines + tiles - 1) / tiles;
+        const float* next = ps + (p + 1) * K * kPanel;
+        for (int64_t m = m0, t = 0; m < m1; m += kTileRows, ++t) {
+          const int64_t stop = std::min(next_lines, (t + 1) * lines_per_tile);
+          for (int64_t line = t * lines_per_tile; line < stop; ++line) __builtin_prefetch(next + line * kPanel, 0, 3);
+          kTiles[std::min(kTileRows, m1 - m)](xs + m * K, K, ps + p * K * kPanel, ys + m * N + p * kPanel, N, ncols,
+                                              b);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+#else
+
+bool has_panel_gemm() { return false; }
+
+torch::Tensor panel_linear(const torch::Tensor&, const torch::Tensor&, int64_t,
+                           const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "panel_linear needs AVX2 and FMA");
+}
+
+#endif

@@ -1,0 +1,58 @@
+"""The panel-packed linear kernel: `F.linear`'s function at every row, column and depth remainder, with and without
+bias, each row's result independent of the rest of the batch, and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contbatch.engine.cpu_kernels import PANEL, pack_panels, panel_gemm
+
+pytestmark = pytest.mark.skipif(panel_gemm() is None, reason="the panel kernel needs AVX2 + FMA and a C++ compiler")
+
+
+def test_panels_layout() -> None:
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    panels = pack_panels(weight)
+    assert panels.shape == (2, 3, PANEL) and panels.is_contiguous()
+    assert torch.equal(panels[0], weight[:16].T)
+    assert torch.equal(panels[1, :, :4], weight[16:].T) and not panels[1, :, 4:].any()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (0, 20, 37), (1, 1, 1), (5, 16, 8), (6, 17, 37), (7, 15, 64), (13, 300, 37), (32, 192, 576), (301, 40, 9),
+])
+def test_same_function_as_f_linear(bias: bool, rows: int, out_features: int, in_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    out = panel_gemm()(x, pack_panels(weight), out_features, b)  # type: ignore[misc]
+    assert out.shape == (rows, out_features)
+    reference = (x.double() @ weight.double().T + (b.double() if b is not None else 0)).float()
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * in_features ** 0.5)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=generator)
+    weight = torch.randn(50, 96, generator=generator)
+    panels = pack_panels(weight)
+    gemm = panel_gemm()
+    whole = gemm(x, panels, 50, None)  # type: ignore[misc]
+    for start, stop in ((0, 1), (5, 6), (3, 14), (30, 37)):
+        assert torch.equal(gemm(x[start:stop].contiguous(), panels, 50, None), whole[start:stop])  # type: ignore[misc]
+
+
+def test_bad_arguments_are_refused() -> None:
+    gemm = panel_gemm()
+    panels = pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="K of x"):
+        gemm(torch.randn(3, 9), panels, 20, None)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="N does not match"):
+        gemm(torch.randn(3, 8), panels, 40, None)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        gemm(torch.randn(8, 3).T, panels, 20, None)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="bias"):
+        gemm(torch.randn(3, 8), panels, 20, torch.randn(19))  # type: ignore[misc]
