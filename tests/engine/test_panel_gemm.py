@@ -22,6 +22,7 @@ def test_panels_layout() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
     (0, 20, 37), (1, 1, 1), (5, 16, 8), (6, 17, 37), (7, 15, 64), (13, 300, 37), (32, 192, 576), (301, 40, 9),
+    (7, 17, 200), (96, 33, 193), (97, 20, 200),
 ])
 def test_same_function_as_f_linear(bias: bool, rows: int, out_features: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -36,12 +37,12 @@ def test_same_function_as_f_linear(bias: bool, rows: int, out_features: int, in_
 
 def test_a_rows_result_does_not_depend_on_the_batch() -> None:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 96, generator=generator)
-    weight = torch.randn(50, 96, generator=generator)
+    x = torch.randn(130, 200, generator=generator)
+    weight = torch.randn(50, 200, generator=generator)
     panels = pack_panels(weight)
     gemm = panel_gemm()
     whole = gemm(x, panels, 50, None)  # type: ignore[misc]
-    for start, stop in ((0, 1), (5, 6), (3, 14), (30, 37)):
+    for start, stop in ((0, 1), (5, 6), (3, 14), (30, 37), (0, 96), (20, 130)):
         assert torch.equal(gemm(x[start:stop].contiguous(), panels, 50, None), whole[start:stop])  # type: ignore[misc]
 
 
