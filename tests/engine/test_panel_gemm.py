@@ -22,7 +22,7 @@ def test_panels_layout() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
     (0, 20, 37), (1, 1, 1), (5, 16, 8), (6, 17, 37), (7, 15, 64), (13, 300, 37), (32, 192, 576), (301, 40, 9),
-    (7, 17, 200), (96, 33, 193), (97, 20, 200),
+    (7, 17, 200), (96, 33, 193), (97, 20, 200), (3, 20, 0), (100, 20, 0),
 ])
 def test_same_function_as_f_linear(bias: bool, rows: int, out_features: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)

@@ -6,9 +6,9 @@
 // 12 AVX2 registers while k runs: per k, two loads of the panel line and 6 broadcasts feed 12 FMAs. Every output is
 // one FMA chain over k in order, so a row's result does not depend on the other rows of the batch. For a few rows, k
 // runs in chunks (partial sums kept in the output between them, the same chain), each chunk through all the tiles
-// while it sits in L1. While a panel's
-// tiles run, the next panel's lines are prefetched, a share before each tile (the first tile of a panel would
-// otherwise wait on memory: the weights do not stay in cache from one step to the next).
+// while it sits in L1. While a panel's tiles run, the next panel's lines are prefetched, a share before each tile
+// (the first tile of a panel would otherwise wait on memory: the weights do not stay in cache from one step to the
+// next).
 //
 // Without AVX2 + FMA nothing is built here (`has_panel_gemm()` is false) and the caller keeps its other path.
 #include <torch/extension.h>
@@ -80,7 +80,8 @@ inline void tile(const float* x, int64_t ldx, int64_t kc, const float* panel, fl
 #undef CONTBATCH_STORE
 }
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*, bool, bool);
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*, bool,
+                       bool);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 }  // namespace
@@ -108,12 +109,13 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   const float* ps = panels.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t block = std::max<int64_t>(kTileRows, kBlockFloats / std::max<int64_t>(K, 1) / kTileRows * kTileRows);
-  const int64_t chunk = M <= kChunkMaxRows ? kChunk : K;
+  const int64_t chunk = std::max<int64_t>(1, M <= kChunkMaxRows ? std::min(kChunk, K) : K);
+  const int64_t chunks = std::max<int64_t>(1, (K + chunk - 1) / chunk);
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t m1 = std::min(M, m0 + block);
       const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-      const int64_t steps = tiles * ((K + chunk - 1) / chunk);
+      const int64_t steps = tiles * chunks;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t ncols = std::min(kPanel, N - p * kPanel);
         const float* b = bias_data ? bias_data + p * kPanel : nullptr;
@@ -122,13 +124,15 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
         const int64_t lines_per_step = (next_lines + steps - 1) / steps;
         const float* next = panel + K * kPanel;
         int64_t step = 0;
-        for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-          const int64_t kc = std::min(chunk, K - k0);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t k0 = c * chunk, kc = std::min(chunk, K - k0);
           for (int64_t m = m0; m < m1; m += kTileRows, ++step) {
             const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
-            for (int64_t line = step * lines_per_step; line < stop; ++line) __builtin_prefetch(next + line * kPanel, 0, 3);
-            kTiles[std::min(kTileRows, m1 - m)](xs + m * K + k0, K, kc, panel + k0 * kPanel, ys + m * N + p * kPanel, N,
-                                                ncols, b, k0 > 0, k0 + kc == K);
+            for (int64_t line = step * lines_per_step; line < stop; ++line) {
+              __builtin_prefetch(next + line * kPanel, 0, 3);
+            }
+            kTiles[std::min(kTileRows, m1 - m)](xs + m * K + k0, K, kc, panel + k0 * kPanel, ys + m * N + p * kPanel,
+                                                N, ncols, b, c > 0, c + 1 == chunks);
           }
         }
       }
