@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import CompileConfig
 
+from contbatch.engine.ops import define_op
 from contbatch.engine.weights import WeightsFingerprint
 
 COMPILED_MARKER = "compiled"
@@ -44,11 +45,8 @@ def step_metadata(metadata: Any) -> Iterator[None]:
         _step.metadata = None
 
 
-@torch.library.custom_op("contbatch::paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
-                       sliding_window: int, softcap: float) -> torch.Tensor:
-    """contbatch's paged attention of `layer` for the current step (`step_metadata`): writes the layer's K/V into
-    the cache and returns [1, tokens, heads, head_dim]. `sliding_window` and `softcap` are 0 when unset."""
+def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                     sliding_window: int, softcap: float) -> torch.Tensor:
     from contbatch.engine.attention import paged_attention_for_layer
 
     metadata = getattr(_step, "metadata", None)
@@ -58,10 +56,19 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                                      softcap or None)
 
 
-@paged_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
-      sliding_window: int, softcap: float) -> torch.Tensor:
+def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                          sliding_window: int, softcap: float) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+paged_attention_op = define_op(
+    "paged_attention",
+    "(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, float softcap) -> Tensor",
+    _paged_attention, _paged_attention_fake,
+)
+"""contbatch's paged attention of `layer` for the current step (`step_metadata`) as the op
+`contbatch::paged_attention`: writes the layer's K/V into the cache and returns [1, tokens, heads, head_dim].
+`sliding_window` and `softcap` are 0 when unset."""
 
 
 def default_compile_config() -> CompileConfig:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contbatch.engine.cpu_kernels import pack_panels, panel_gemm
+from contbatch.engine.ops import define_op
 
 LAYER_MAX_ROWS = 256
 LAYER_MEMORY_SHARE = 0.1
@@ -67,17 +68,16 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed[handle], bias, "none", [], "")
 
 
-@torch.library.custom_op("contbatch::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-                  max_rows: int, panels: bool) -> torch.Tensor:
-    """`packed_product` as an op that a compiled graph calls without tracing into it."""
-    return packed_product(x, weight, bias, handle, max_rows, panels)
-
-
-@packed_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-      max_rows: int, panels: bool) -> torch.Tensor:
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+                        max_rows: int, panels: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+packed_linear = define_op(
+    "packed_linear", "(Tensor x, Tensor weight, Tensor? bias, int handle, int max_rows, bool panels) -> Tensor",
+    packed_product, _packed_linear_fake,
+)
+"""`packed_product` as the op `contbatch::packed_linear`, which a compiled graph calls without tracing into it."""
 
 
 def packing_applies(linear: object) -> bool:
