@@ -104,3 +104,15 @@ def test_mixin_class_and_add_continuous_batching_route_to_contbatch() -> None:
     assert type(model).__name__ == "Gemma3ForCausalLM"
     outputs = model.generate_batch([prompt], GREEDY, SMALL, progress_bar=False)
     assert outputs["req_0"].generated_tokens == reference_generate(model, prompt, 5)
+
+
+def test_async_batching_through_generate_batch_equals_generate() -> None:
+    """`use_async_batching=True` through the manager's engine thread: the forwards run on the worker thread while
+    the engine thread prepares the next step and hands the outputs on."""
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 12, 7, 20, 1], seed=21)
+    config = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16, use_async_batching=True)
+    outputs = generate_batch(model, prompts, GREEDY, config, progress_bar=False, max_new_tokens=6)
+    for prompt, output in zip(prompts, outputs.values(), strict=True):
+        assert output.generated_tokens == reference_generate(model, prompt, 6)
+        assert output.status == RequestStatus.FINISHED

@@ -56,6 +56,8 @@ class ScheduledRequest(NamedTuple):
             request's last token, else the request itself followed by the requests forked from it that wait
             for its prompt (n samples of one prompt share one logits row).
         prompt_logprobs: the prompt logprobs this chunk produces, for a request that asks for them; else None.
+        carried: the last of `token_ids` is a placeholder for the token the request samples in the step in
+            flight (async batching), filled in once that step has sampled it.
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class ScheduledRequest(NamedTuple):
     block_tables: Sequence[list[int]]
     samplers: tuple[SamplingTarget, ...] = ()
     prompt_logprobs: PromptLogprobsTask | None = None
+    carried: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -142,6 +142,11 @@ class BeamSearch:
         return request_id in self._owner
 
     @property
+    def is_active(self) -> bool:
+        """Whether a beam group is running."""
+        return bool(self._owner)
+
+    @property
     def has_pending(self) -> bool:
         return bool(self._pending)
 

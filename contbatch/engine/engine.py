@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from contbatch.engine.batch import ScheduledRequest
 from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.compile import compile_paths
@@ -29,9 +28,10 @@ from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.packed_weights import pending_packed_bytes
-from contbatch.engine.request import Request, RequestStatus
+from contbatch.engine.request import Request
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
+from contbatch.engine.step_pipeline import StepPipeline, resolve_async_batching
 from contbatch.engine.step_timer import NO_STEP_TIMER, StepTimer
 from contbatch.engine.structured import GrammarCompiler
 from contbatch.engine.weights import WeightsFingerprint
@@ -100,11 +100,15 @@ class LLMEngine:
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
         self.model = model
         self._weights: WeightsFingerprint | None = None
-        self.num_scheduled_tokens_total = 0
+        self.async_batching = resolve_async_batching(config.use_async_batching, self.model_runner)
+        self.pipeline = StepPipeline(self.scheduler, self.model_runner, self.beam_search, self.block_pool,
+                                     self.async_batching)
         self.step_timer: StepTimer = NO_STEP_TIMER
 
     def close(self) -> None:
-        """Restores the model's own attention implementation."""
+        """Ends the step in flight (its deltas come with the next `step`), stops async batching's worker thread
+        and restores the model's own attention implementation."""
+        self.pipeline.close()
         self.model_runner.close()
 
     def __enter__(self) -> LLMEngine:
@@ -124,7 +128,8 @@ class LLMEngine:
         return self.scheduler.weights_version
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.beam_search.has_pending
+        """Whether a `step` has anything to do: requests to run, a step in flight, or deltas to return."""
+        return self.scheduler.num_unfinished > 0 or self.beam_search.has_pending or self.pipeline.is_busy
 
     def add_request(
         self,
@@ -201,14 +206,23 @@ class LLMEngine:
         fork before the first token and share its prefill; a fork later (beams) shares everything computed.
         Raises ValueError for an unknown or finished parent, a duplicate id, a prompt that is not the parent's
         sequence, or prompt logprobs the child cannot get (see `Scheduler.fork`: a fork sharing the prefill asks
-        for the parent's `prompt_logprobs` and receives the same entries)."""
+        for the parent's `prompt_logprobs` and receives the same entries). Under async batching a parent in the
+        step in flight is settled first (`settle`): its sequence is the one after that."""
         parent = self.requests.get(parent_id)
+        if parent is not None and parent.num_in_flight_tokens:
+            self.settle()
+            parent = self.requests.get(parent_id)
         if parent is None:
             raise ValueError(f"request {child.request_id!r}: cannot fork from {parent_id!r}, which is not running")
         if child.prompt_ids != parent.token_ids:
             raise ValueError(f"request {child.request_id!r}: a fork's prompt must be {parent_id!r}'s token sequence")
         self._check_new_id(child.request_id)
         self.scheduler.fork(parent, child)
+
+    def settle(self) -> None:
+        """Ends the step in flight under async batching (its deltas come with the next `step`): afterwards every
+        request's `token_ids` hold all it has sampled. Does nothing for a synchronous engine."""
+        self.pipeline.settle()
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.requests or self.beam_search.owns(request_id):
@@ -276,41 +290,15 @@ class LLMEngine:
         return self.scheduler.cancel(request_id)
 
     def step(self) -> list[RequestDelta]:
-        """Runs one step: schedule -> forward -> sample -> update. Returns the deltas of the requests that
-        produced a token or went through an event; a failing forward or sampler fails this step's requests."""
-        timer = self.step_timer
-        timer.begin()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and self.scheduler.waiting and self.scheduler.preempt_idle():
-            scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return self.beam_search.update(self._fail_unschedulable(), {})
-        self.num_scheduled_tokens_total += scheduler_output.total_num_scheduled_tokens
-        timer.scheduled(self.scheduler, scheduler_output)
-        try:
-            logits = self.model_runner.execute(scheduler_output)
-            timer.forwarded()
-            runner_output = self.model_runner.sample(logits, scheduler_output)
-        except Exception as error:  # a failing batch fails its own requests, never the engine
-            failed = self._fail_batch(scheduler_output.requests, f"{type(error).__name__}: {error}")
-            return self.beam_search.update(failed, {})
-        timer.sampled()
-        deltas = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self.beam_search.update(deltas, runner_output.beam_scores)
+        """Runs one step: schedule -> forward -> sample -> update (see `StepPipeline`, async batching
+        included). Returns the deltas of the requests that produced a token or went through an event; a failing
+        forward or sampler fails that step's requests."""
+        return self.pipeline.step(self.step_timer)
 
-    def _fail_batch(self, scheduled: list[ScheduledRequest], error: str) -> list[RequestDelta]:
-        requests = [self.requests[entry.request_id] for entry in scheduled]
-        return self.scheduler.finish_requests(requests, RequestStatus.FAILED, "error", error)
-
-    def _fail_unschedulable(self) -> list[RequestDelta]:
-        """With nothing running and the whole cache free, a waiting request that still cannot start never will:
-        it fails alone instead of stalling the engine (validation at admission makes this a last resort)."""
-        scheduler = self.scheduler
-        if scheduler.running or not scheduler.waiting or not self.block_pool.is_whole:
-            return []
-        request = scheduler.waiting[0]
-        return scheduler.finish_requests([request], RequestStatus.FAILED, "error",
-                                         f"request {request.request_id!r} cannot fit in the KV cache even alone")
+    @property
+    def num_scheduled_tokens_total(self) -> int:
+        """Tokens scheduled for computation since the engine was made."""
+        return self.pipeline.num_scheduled_tokens_total
 
     def stats(self) -> EngineStats:
         pool = self.block_pool
@@ -349,6 +337,7 @@ class LLMEngine:
         """Treats the weights as updated (`mark_weights_updated`) if they changed since the last check or mark
         (the first check only records them: nothing computed before it). Returns whether they changed. Costs one
         pass over the parameters: call it between runs, not per step, on the thread that runs the engine."""
+        self.settle()
         if self._weights is None:
             self._weights = WeightsFingerprint.of(self.model)
             return False
@@ -359,7 +348,8 @@ class LLMEngine:
 
     def mark_weights_updated(self) -> None:
         """The signal that the weights changed: nothing computed before is shared with later requests, and
-        `weights_version` goes up. Running requests keep the KV they computed."""
+        `weights_version` goes up. Running requests keep the KV they computed (a step in flight ends first)."""
+        self.settle()
         self.reset_prefix_cache()
         self.scheduler.weights_version += 1
         self._weights = WeightsFingerprint.of(self.model)

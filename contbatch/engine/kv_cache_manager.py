@@ -132,7 +132,7 @@ class KVCacheManager:
 
     def _blocks_to_copy(self, request: Request, tables: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         """(group, index) of the blocks `request` writes into next that others hold too."""
-        index = request.num_computed_tokens // self.block_size
+        index = request.next_position // self.block_size
         return [(group, index) for group, table in enumerate(tables)
                 if index < len(table) and table[index] != DEAD_BLOCK and self.pool.ref_count(table[index]) > 1]
 

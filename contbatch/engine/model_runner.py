@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from transformers import CompileConfig, PreTrainedModel
@@ -11,11 +13,16 @@ from transformers import CompileConfig, PreTrainedModel
 from contbatch.engine.attention import (
     METADATA_KWARG,
     AttentionGroup,
-    KeyLayout,
     PagedAttentionMetadata,
     paged_forward,
     register_paged_attention,
     remember_own_attention,
+)
+from contbatch.engine.attention_groups import (
+    MAX_PADDING,
+    attention_group,
+    group_to_device,
+    padding_bounded_sets,
 )
 from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
@@ -28,7 +35,6 @@ from contbatch.engine.sampler import Sampler
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
 LOG_SOFTMAX_ROWS = 256
-MAX_PADDING = 1.25
 
 
 class ModelRunner:
@@ -82,12 +88,18 @@ class ModelRunner:
             self._previous_attention = None
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+    def execute(self, scheduler_output: SchedulerOutput, prepared: PreparedBatch | None = None) -> torch.Tensor:
         """Computes the batch's tokens into the cache; returns the logits [scheduled requests that sample,
         vocab], in batch order. The logits rows of prompt logprobs tasks are computed in the same forward, after
-        the sampling rows, and become the entries the next `sample` returns."""
+        the sampling rows, and become the entries the next `sample` returns. `prepared`: the batch's inputs from
+        `prepare` (made now when None), its carried tokens filled in."""
         self._prompt_logprobs = {}
-        input_ids, positions, logits_indices, metadata = self.prepare(scheduler_output)
+        batch = prepared if prepared is not None else self.prepare(scheduler_output)
+        input_ids, positions, logits_indices = (tensor.to(self.device) for tensor in (
+            batch.input_ids, batch.positions, batch.logits_indices))
+        metadata = PagedAttentionMetadata(self.cache, batch.slot_mapping.to(self.device), [
+            group_to_device(group, self.device) for group in batch.groups
+        ])
         self.cache.copy_blocks(scheduler_output.block_copies)
         path = "decode" if len(input_ids) == len(scheduler_output.requests) else "varlen"
         num_sampling = sum(1 for entry in scheduler_output.requests if entry.samplers)
@@ -135,15 +147,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, scheduler_output: SchedulerOutput,
-               logits_mask: torch.Tensor | None = None) -> ModelRunnerOutput:
+               logits_mask: torch.Tensor | None = None, live: list[bool] | None = None) -> ModelRunnerOutput:
         """Chooses the token of every sampling target of the step from `logits` (as returned by `execute`).
         `logits_mask` ([targets, vocab] bool, True = allowed), when given, removes tokens before sampling (the
         hook for grammar bitmasks); removed tokens are -inf in both "raw" and "processed" logprobs (never in
-        prompt logprobs). The output carries the prompt logprobs of the latest `execute`."""
+        prompt logprobs). `live` (one flag per target), when given, leaves out the targets flagged False (ended
+        while the step was in flight). The output carries the prompt logprobs of the latest `execute`."""
         prompt, self._prompt_logprobs = self._prompt_logprobs, {}
-        targets = scheduler_output.sampling_targets
-        if len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
-            logits = logits[torch.tensor(scheduler_output.sampling_rows, device=logits.device)]
+        targets, rows = scheduler_output.sampling_targets, scheduler_output.sampling_rows
+        if live is not None and not all(live):
+            targets = [target for target, keep in zip(targets, live, strict=True) if keep]
+            rows = [row for row, keep in zip(rows, live, strict=True) if keep]
+            if logits_mask is not None:
+                logits_mask = logits_mask[torch.tensor(live)]
+        if rows != list(range(logits.shape[0])):  # n samples of a prompt share its logits row
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         if logits_mask is not None:
             logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
         logits = _apply_grammars(logits, targets)
@@ -163,12 +181,11 @@ class ModelRunner:
             beam_scores=_beam_scores(logits, targets),
         )
 
-    def prepare(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
-        """Builds input ids, positions, the indices of the logits rows to compute (the sampling tokens in batch
-        order, then the rows of the prompt logprobs tasks in batch order) and the attention metadata with tensor
-        ops over the whole batch: the only per-request Python work is reading its tokens and block tables."""
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedBatch:
+        """Builds, on the host, input ids, positions, the indices of the logits rows to compute (the sampling
+        tokens in batch order, then the rows of the prompt logprobs tasks in batch order) and the attention
+        groups with tensor ops over the whole batch: the only per-request Python work is reading its tokens and
+        block tables. Reads nothing the step in flight changes, so it may run while that step's forward does."""
         block_size = self.cache.block_size
         scheduled = scheduler_output.requests
         token_ids = [token for entry in scheduled for token in entry.token_ids]
@@ -194,17 +211,46 @@ class ModelRunner:
             logits_indices = torch.cat([logits_indices, *prompt_rows])
         single = counts == 1
         member_sets = [single.nonzero().squeeze(1)] if bool(single.any()) else []
-        member_sets += _padding_bounded_sets((~single).nonzero().squeeze(1), counts, starts,
+        member_sets += padding_bounded_sets((~single).nonzero().squeeze(1), counts, starts,
                                              MAX_PADDING if self.device.type == "cpu" else None)
-        groups = [_attention_group(members, counts, starts, offsets, block_tables, block_size, self.windows)
+        groups = [attention_group(members, counts, starts, offsets, block_tables, block_size, self.windows)
                   for members in member_sets]
         if len(groups) == 1 and groups[0].real_queries is None:
             groups[0].whole_batch = torch.equal(groups[0].query_rows, torch.arange(len(token_ids)))
-        metadata = PagedAttentionMetadata(self.cache, slot_mapping.to(self.device), [
-            _to_device(group, self.device) for group in groups
-        ])
-        return (torch.tensor(token_ids, device=self.device), positions.to(self.device),
-                logits_indices.to(self.device), metadata)
+        carried = [index for index, entry in enumerate(scheduled) if entry.carried]
+        return PreparedBatch(torch.tensor(token_ids), positions, logits_indices, slot_mapping, groups,
+                             (offsets + counts - 1)[carried].tolist(), [scheduled[i].request_id for i in carried])
+
+
+@dataclass
+class PreparedBatch:
+    """A batch's inputs, built on the host by `ModelRunner.prepare`; `execute` moves them to the device.
+
+    Attributes:
+        input_ids, positions: [num_tokens], the packed batch.
+        logits_indices: the packed indices of the logits rows to compute.
+        slot_mapping: [cache groups, num_tokens], the cache slot of each token.
+        groups: the attention groups.
+        carried_rows, carried_ids: the packed indices of the placeholders of carried tokens
+            (`ScheduledRequest.carried`) and their requests.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
+    carried_rows: list[int]
+    carried_ids: list[str]
+
+    def fill_carried(self, tokens: Mapping[str, int]) -> None:
+        """Puts in each carried placeholder the token its request sampled (`tokens`, by request id). A request
+        without one (it failed or ended) keeps the placeholder: its row's results are never used."""
+        known = [(row, tokens[request_id]) for row, request_id in zip(self.carried_rows, self.carried_ids,
+                                                                      strict=True) if request_id in tokens]
+        if known:
+            rows, values = zip(*known, strict=True)
+            self.input_ids[list(rows)] = torch.tensor(values, dtype=self.input_ids.dtype)
 
 
 def _parameter_addresses(model: torch.nn.Module) -> tuple[int, ...]:
@@ -279,100 +325,3 @@ def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> di
         ]
         row += len(task.token_ids)
     return entries
-
-
-def _padding_bounded_sets(members: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
-                          max_padding: float | None) -> list[torch.Tensor]:
-    """Splits the multi-token requests `members` into attention groups. A group is padded to its longest query
-    and key range, so its cost is members x queries x keys; each group here costs at most `max_padding` times
-    its requests' own cost (largest first, greedily). With `max_padding` None: one group (fewest kernel launches,
-    for GPUs)."""
-    if max_padding is None or len(members) <= 1:
-        return [members] if len(members) else []
-    queries, keys = counts[members], starts[members] + counts[members]
-    order = torch.argsort(queries * keys, descending=True, stable=True).tolist()
-    sets: list[list[int]] = []
-    longest = widest = own = 0
-    for index in order:
-        q, k = int(queries[index]), int(keys[index])
-        grown = (len(sets[-1]) + 1) * max(longest, q) * max(widest, k) if sets else 0
-        if sets and grown <= max_padding * (own + q * k):
-            sets[-1].append(index)
-            longest, widest, own = max(longest, q), max(widest, k), own + q * k
-        else:
-            sets.append([index])
-            longest, widest, own = q, k, q * k
-    return [members[torch.tensor(sorted(indices))] for indices in sets]
-
-
-def _attention_group(
-    members: torch.Tensor,
-    counts: torch.Tensor,
-    starts: torch.Tensor,
-    offsets: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
-    windows: tuple[int | None, ...],
-) -> AttentionGroup:
-    """The group of requests `members`, padded to their longest query and, per cache group, key range.
-
-        request b, padded queries:  [ q0 q1 .. q(n-1) | q(n-1) q(n-1) ... ]   (n = counts[b])
-        positions:                  [ s  s+1 ..  s+n-1 | s+n-1 ...         ]   (s = starts[b])
-        keys, full attention:       [ 0 1 .. s+n-1 | s+n-1 ... (masked) ]
-        keys, window W:             [ s-W+1 .. s+n-1 | s+n-1 ... (masked) ]   (from 0 while s < W)
-    """
-    counts, starts, offsets = counts[members], starts[members], offsets[members]
-    num_queries = int(counts.max())
-    query_offsets = torch.minimum(torch.arange(num_queries).unsqueeze(0), (counts - 1).unsqueeze(1))
-    layouts = {window: _key_layout(starts, counts, window) for window in set(windows)}
-    kv_slots = []
-    for group, window in enumerate(windows):
-        key_positions = layouts[window][1]
-        table = block_tables[group, members]
-        kv_slots.append((table.gather(1, key_positions // block_size) * block_size
-                         + key_positions % block_size).reshape(-1))
-    real_queries = None
-    if bool((counts != num_queries).any()):
-        real_queries = (torch.arange(num_queries).unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero()
-        real_queries = real_queries.squeeze(1)
-    return AttentionGroup(
-        batch_size=len(members),
-        num_queries=num_queries,
-        query_rows=(offsets.unsqueeze(1) + query_offsets).reshape(-1),
-        query_positions=starts.unsqueeze(1) + query_offsets,
-        layouts=[layouts[window][0] for window in windows],
-        kv_slots=kv_slots,
-        real_queries=real_queries,
-    )
-
-
-def _key_layout(starts: torch.Tensor, counts: torch.Tensor, window: int | None) -> tuple[KeyLayout, torch.Tensor]:
-    """The keys requests read in layers with `window`, and their positions [batch, length]: from each request's
-    window start when that shortens the padded range, else from 0."""
-    last = starts + counts - 1
-    length = int(last.max()) + 1
-    first = None
-    if window is not None:
-        window_start = (starts - window + 1).clamp(min=0)
-        window_length = int((last + 1 - window_start).max())
-        if window_length < length:
-            first, length = window_start, window_length
-    positions = torch.arange(length).unsqueeze(0)
-    if first is not None:
-        positions = positions + first.unsqueeze(1)
-    # Padding keys repeat the request's last key: masked, but read, so it must be a written slot (0 * NaN = NaN).
-    return KeyLayout(length, first), torch.minimum(positions, last.unsqueeze(1))
-
-
-def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
-    if device.type == "cpu":
-        return group
-    group.query_rows = group.query_rows.to(device, non_blocking=True)
-    group.query_positions = group.query_positions.to(device, non_blocking=True)
-    group.kv_slots = [slots.to(device, non_blocking=True) for slots in group.kv_slots]
-    for layout in group.layouts:
-        if layout.first is not None:
-            layout.first = layout.first.to(device, non_blocking=True)
-    if group.real_queries is not None:
-        group.real_queries = group.real_queries.to(device, non_blocking=True)
-    return group

@@ -52,6 +52,11 @@ class Request:
     `num_prompt_logprobs` counts the prompt logprobs entries already reported (the None of token 0 and of the
     tokens before `params.prompt_logprobs_start` included): a request recomputing its prompt after preemption
     reports only the entries it has not reported yet.
+
+    Async batching (`LLMEngine` with `use_async_batching`) schedules a step while the previous one runs: the
+    request's tokens of the steps in flight (`num_in_flight_tokens`) are computed once those end, and the tokens
+    they sample (`num_awaited_tokens`) are known then; `next_position` is where its next scheduled token goes.
+    Both counters are 0 between steps of a synchronous engine.
     """
 
     request_id: str
@@ -68,6 +73,8 @@ class Request:
     leader: Request | None = None
     num_prompt_logprobs: int = 0
     matcher: GrammarMatcher | None = None
+    num_in_flight_tokens: int = 0
+    num_awaited_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -103,6 +110,23 @@ class Request:
         """The prompt index of the next prompt token whose logprob is computed (its logits are those of the
         position before it): the first not reported yet, at least `params.prompt_logprobs_start` and 1."""
         return max(self.num_prompt_logprobs, self.params.prompt_logprobs_start, 1)
+
+    @property
+    def next_position(self) -> int:
+        """The position of the next token to schedule: after those computed and those of the steps in flight."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def can_schedule_ahead(self) -> bool:
+        """Whether a step may compute more of this request while a step computing some of it is in flight: not
+        when the awaited token is surely its last (it finishes by length), nor for a beam (its group chooses its
+        next token), nor while prompt logprobs are computed (the next chunk's entries depend on those in flight)."""
+        if not self.num_in_flight_tokens:
+            return True
+        if self.needs_prompt_logprobs:
+            return False
+        last = self.num_generated_tokens + self.num_awaited_tokens >= self.params.max_new_tokens
+        return not self.num_awaited_tokens or (not last and self.params.num_beams == 1)
 
     @property
     def is_score_only(self) -> bool:
@@ -161,6 +185,22 @@ class Request:
             self.finish(RequestStatus.FINISHED, "length")
         else:
             self.status = RequestStatus.DECODING
+
+    def tokens_appended_by(self, samplers: tuple[SamplingTarget, ...]) -> int:
+        """1 when this request appends the token it samples as one of `samplers` (a beam's group chooses)."""
+        return int(bool(samplers) and self.params.num_beams == 1)
+
+    def check_fork_prompt_logprobs(self, child: Request) -> None:
+        """Prompt logprobs of a fork of this request: a follower (forked before this request's first token)
+        shares its prefill and its entries, so it asks for the same `prompt_logprobs`; a child asking for them
+        must be forked before this request computed any of its prompt. Raises ValueError otherwise."""
+        asked = child.params.prompt_logprobs
+        if self.num_generated_tokens == 0 and self.params.prompt_logprobs != asked:
+            raise ValueError(f"request {child.request_id!r}: prompt_logprobs={asked} differs from its parent "
+                             f"{self.request_id!r}'s ({self.params.prompt_logprobs}), whose prefill it shares")
+        if asked is not None and (self.num_prompt_logprobs or self.num_generated_tokens):
+            raise ValueError(f"request {child.request_id!r}: prompt_logprobs={asked} needs a fork made before "
+                             f"its parent {self.request_id!r} computed any of its prompt")
 
     def finish(self, status: RequestStatus, reason: str, error: str | None = None) -> None:
         """Moves to a terminal status. Terminal states never change again: a second call is ignored."""

@@ -87,7 +87,7 @@ class Scheduler:
         """
         while parent.leader is not None:
             parent = parent.leader
-        _check_fork_prompt_logprobs(parent, child)
+        parent.check_fork_prompt_logprobs(child)
         self._register(child)
         if parent.num_generated_tokens == 0:
             child.leader = parent
@@ -110,7 +110,8 @@ class Scheduler:
     def preempt_idle(self) -> bool:
         """Preempts the running requests that have nothing to compute (beams waiting for their group), giving
         their blocks to the waiting requests; returns whether there were any."""
-        idle = [request for request in self.running if request.num_computed_tokens >= request.num_tokens_to_compute]
+        idle = [request for request in self.running
+                if request.num_computed_tokens >= request.num_tokens_to_compute and not request.num_in_flight_tokens]
         for request in idle:
             self.running.remove(request)
             self._requeue(request)
@@ -156,16 +157,22 @@ class Scheduler:
         return output
 
     def _add_to_batch(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        start = request.num_computed_tokens
+        """Appends `num_tokens` of `request` from its `next_position` to `output`; an awaited token (sampled by
+        the step in flight) goes in as a placeholder, `carried`, filled in once that step has sampled it."""
+        start, end = request.next_position, request.next_position + num_tokens
+        token_ids = request.token_ids[start:end]
+        carried = num_tokens - len(token_ids)
         samplers = ()
-        if start + num_tokens == request.num_tokens and not request.is_score_only:
+        if end == request.num_tokens + request.num_awaited_tokens and not request.is_score_only:
             followers = self._followers.get(request.request_id, ())
             samplers = (request.sampling_target, *(follower.sampling_target for follower in followers))
         output.requests.append(ScheduledRequest(
-            request.request_id, request.token_ids[start:start + num_tokens], start,
+            request.request_id, token_ids + [0] * carried if carried else token_ids, start,
             self.kv_manager.block_tables(request.request_id), samplers,
-            request.prompt_logprobs_task(start + num_tokens),
+            request.prompt_logprobs_task(end), bool(carried),
         ))
+        request.num_in_flight_tokens += num_tokens
+        request.num_awaited_tokens += request.tokens_appended_by(samplers)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Schedules the running requests that are not in `output` yet, oldest first."""
@@ -175,12 +182,15 @@ class Scheduler:
                 break
             if request.status == RequestStatus.PENDING or request.request_id in scheduled:
                 continue
-            num_tokens = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
+            if not request.can_schedule_ahead or (request.request_id in self._followers and request.num_awaited_tokens):
+                continue
+            num_tokens = min(request.num_tokens_to_compute + request.num_awaited_tokens - request.next_position,
+                             budget)
             if num_tokens <= 0:  # a beam waiting for its group to choose its next token
                 continue
-            if not self._make_room(request, request.num_computed_tokens + num_tokens, output, scheduled):
+            if not self._make_room(request, request.next_position + num_tokens, output, scheduled):
                 continue
-            output.block_copies += self.kv_manager.allocate_slots(request, request.num_computed_tokens + num_tokens)
+            output.block_copies += self.kv_manager.allocate_slots(request, request.next_position + num_tokens)
             self._add_to_batch(output, request, num_tokens)
             scheduled.add(request.request_id)
             budget -= num_tokens
@@ -199,7 +209,7 @@ class Scheduler:
         """Preempts the most recently admitted running request that is not already in `output`."""
         for position in range(len(self.running) - 1, -1, -1):
             victim = self.running[position]
-            if victim.request_id in scheduled:
+            if victim.request_id in scheduled or victim.num_in_flight_tokens:
                 continue
             del self.running[position]
             self._requeue(victim)
@@ -244,13 +254,21 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
         """Advances every request of `output` by its scheduled tokens and appends the tokens sampled in
         `result` (forking waiting followers from their leader first). Finished requests leave and give back
-        their blocks. Returns a delta for every request that produced a token or went through an event."""
+        their blocks. Returns a delta for every request that produced a token or went through an event.
+
+        `result` has a row for each of `output`'s sampling targets still unfinished: a request that ended while
+        its step was in flight (async batching) is skipped."""
         now = time.time()
         produced: list[tuple[Request, int]] = []
         scored: list[Request] = []
         row = 0
         for scheduled in output.requests:
-            request = self.requests[scheduled.request_id]
+            request = self.requests.get(scheduled.request_id)
+            if request is None:  # ended while its step was in flight (async batching): nothing to record
+                row += sum(target.request_id in self.requests for target in scheduled.samplers)
+                continue
+            request.num_in_flight_tokens -= len(scheduled.token_ids)
+            request.num_awaited_tokens -= request.tokens_appended_by(scheduled.samplers)
             request.num_computed_tokens += len(scheduled.token_ids)
             if scheduled.prompt_logprobs is not None:
                 self._record_prompt_logprobs(request, scheduled.prompt_logprobs, result)
@@ -259,7 +277,9 @@ class Scheduler:
             self.kv_manager.cache_computed_blocks(request)
             self.kv_manager.free_unreachable(request)
             for target in scheduled.samplers:
-                sampler = self.requests[target.request_id]
+                sampler = self.requests.get(target.request_id)
+                if sampler is None:  # cancelled while its step was in flight: it was not sampled
+                    continue
                 if sampler is not request:
                     self._fork_follower(request, sampler)
                 if sampler.params.num_beams > 1:  # its group chooses its next token (see BeamSearch)
@@ -377,16 +397,3 @@ class Scheduler:
             if rest:
                 self._followers[new_leader.request_id] = rest
             self.waiting.appendleft(new_leader)
-
-
-def _check_fork_prompt_logprobs(parent: Request, child: Request) -> None:
-    """Prompt logprobs of forks: a follower (forked before its parent's first token) shares its parent's prefill
-    and its entries, so it asks for the same `prompt_logprobs`; a child asking for them must be forked before
-    its parent computed any of its prompt."""
-    asked = child.params.prompt_logprobs
-    if parent.num_generated_tokens == 0 and parent.params.prompt_logprobs != asked:
-        raise ValueError(f"request {child.request_id!r}: prompt_logprobs={asked} differs from its parent "
-                         f"{parent.request_id!r}'s ({parent.params.prompt_logprobs}), whose prefill it shares")
-    if asked is not None and (parent.num_prompt_logprobs or parent.num_generated_tokens):
-        raise ValueError(f"request {child.request_id!r}: prompt_logprobs={asked} needs a fork made before its "
-                         f"parent {parent.request_id!r} computed any of its prompt")

@@ -9,8 +9,9 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
+from contbatch.engine.attention_groups import MAX_PADDING
+from contbatch.engine.attention_groups import padding_bounded_sets as _padding_bounded_sets
 from contbatch.engine.engine import LLMEngine
-from contbatch.engine.model_runner import MAX_PADDING, _padding_bounded_sets
 from contbatch.engine.scheduler import SchedulerOutput
 from tests.conftest import random_prompts, reference_generate, tiny_model
 
@@ -63,7 +64,7 @@ def _groups_of_each_step(lengths: list[int]) -> list[tuple[list[int], list[bool]
     def recording(scheduler_output: SchedulerOutput) -> Any:
         prepared = prepare(scheduler_output)
         seen.append(([len(entry.token_ids) for entry in scheduler_output.requests],
-                     [group.whole_batch for group in prepared[3].groups]))
+                     [group.whole_batch for group in prepared.groups]))
         return prepared
 
     engine.model_runner.prepare = recording  # type: ignore[method-assign]

@@ -16,16 +16,19 @@ MAX_NEW = [6, 9, 3, 7]
 FROZEN = CompileConfig(dynamic=True, mode="default", options={"freezing": True})
 
 
-@pytest.mark.parametrize(("name", "frozen"), [("llama", False), ("gemma2-softcap", False), ("llama", True)])
-def test_compiled_greedy_matches_generate(name: str, frozen: bool) -> None:
-    """Both paths compiled with the defaults (dynamic shapes), or frozen (weights prepacked for oneDNN)."""
+@pytest.mark.parametrize(("name", "frozen", "async_batching"),
+                         [("llama", False, False), ("gemma2-softcap", False, False), ("llama", True, True)])
+def test_compiled_greedy_matches_generate(name: str, frozen: bool, async_batching: bool) -> None:
+    """Both paths compiled with the defaults (dynamic shapes), or frozen (weights prepacked for oneDNN) and with
+    async batching (compiled and run on its forward thread)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = fresh_tiny_model(name)
     prompts = random_prompts(LENGTHS, seed=11)
     configs = {"varlen_compile_config": FROZEN, "decode_compile_config": FROZEN} if frozen else {
         "use_default_compile_configs": True}
-    with make_engine(model, block_size=4, num_blocks=200, max_batch_tokens=24, **configs) as engine:
+    with make_engine(model, block_size=4, num_blocks=200, max_batch_tokens=24, use_async_batching=async_batching,
+                     **configs) as engine:
         for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
             engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=max_new)
         finished = run_engine(engine)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
 
+from contbatch.engine.attention_groups import key_layout as _key_layout
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache import KVCacheGroup, kv_cache_groups
 from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, PrefixHit
-from contbatch.engine.model_runner import _key_layout
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.output_processor import OutputCollector
