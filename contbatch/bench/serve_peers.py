@@ -55,7 +55,8 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
         command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
                    "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
                    *_given(args, ("model", "threads", *_CACHE_FLAGS), "--"),
-                   *(["--compile"] if getattr(args, "compile", False) else [])]
+                   *(["--compile"] if getattr(args, "compile", False) else []),
+                   "--async-batching", getattr(args, "async_batching", "auto")]
         return PeerSpec(name, command, env, BENCH_MODEL_ID)
     model_dir = _local_model_dir(args)
     # Offline: a model that is not local must fail fast instead of being fetched from the hub.

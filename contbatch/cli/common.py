@@ -9,11 +9,12 @@ from contbatch.engine.config import SCHEDULER_TYPES
 
 # Prefix caching shares whole blocks: with 256-token blocks a 200-token system prompt is never shared.
 CLI_BLOCK_SIZE = 16
+ASYNC_BATCHING = {"auto": None, "on": True, "off": False}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags to `parser`: `--model`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
-    `--scheduler`, `--threads` and `--compile`."""
+    `--scheduler`, `--threads`, `--compile` and `--async-batching`."""
     parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--block-size", type=int, default=CLI_BLOCK_SIZE,
@@ -27,10 +28,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the forward (use_default_compile_configs: inductor, dynamic shapes); "
                         "the first steps pay the compile time")
+    parser.add_argument("--async-batching", choices=tuple(ASYNC_BATCHING), default="auto",
+                        help="use_async_batching: prepare the next step while the forward runs (auto: on with "
+                        "CUDA graphs)")
 
 
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine configuration named by the engine flags of `args` (see `add_engine_flags`)."""
     values = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_batch_tokens": args.max_batch_tokens,
-              "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", False)}
+              "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", False),
+              "use_async_batching": ASYNC_BATCHING[getattr(args, "async_batching", "auto")]}
     return ContinuousBatchingConfig.from_sources(None, values)

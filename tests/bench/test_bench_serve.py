@@ -29,6 +29,7 @@ from contbatch.bench.serve import (
     poisson_schedule,
 )
 from contbatch.cli import build_parser
+from contbatch.cli.common import engine_config
 
 
 def _chunk(payload: dict[str, object]) -> bytes:
@@ -138,9 +139,12 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     assert contbatch.command[:4] == [sys.executable, "-m", "contbatch.cli", "serve"]
     joined = " ".join(contbatch.command)
     assert "--port 9001" in joined and "--block-size 16" in joined and "--max-batch-tokens 128" in joined
-    assert "--num-blocks" not in joined and "--compile" not in joined
-    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile"), 9001)
-    assert compiled.command[-1] == "--compile"
+    assert "--num-blocks" not in joined and "--compile" not in joined and "--async-batching auto" in joined
+    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile", "--async-batching", "on"), 9001)
+    assert compiled.command[-3:] == ["--compile", "--async-batching", "on"]
+    served = build_parser().parse_args(["serve", *compiled.command[4:]])
+    assert engine_config(served).use_async_batching is True and engine_config(served).use_default_compile_configs
+    assert engine_config(args).use_async_batching is None
     transformers = bench_serve.peer_spec("transformers", args, 9002)
     joined = " ".join(transformers.command)
     assert f"serve {tmp_path} --continuous-batching" in joined and "--cb-block-size 16" in joined
