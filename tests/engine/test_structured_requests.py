@@ -60,6 +60,10 @@ def test_generate_batch_follows_each_prompts_grammar(embedded: tuple[PreTrainedM
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[3]) and texts[4] in ("cats", "dogs")
     alone = generate_batch(model, [prompts[5]], config, progress_bar=False)["req_0"]
     assert outputs["req_5"].generated_tokens == alone.generated_tokens  # no grammar: untouched by the others
+    overlapped = generate_batch(model, prompts, config, progress_bar=False, tokenizer=tokenizer,
+                                structured_output=constraints, use_async_batching=True)
+    assert [o.generated_tokens for o in overlapped.values()] == [o.generated_tokens for o in outputs.values()], (
+        "async batching: each grammar advances with its token before the next step samples")
 
 
 def test_n_samples_each_follow_the_grammar_and_the_pool_stays_whole(
