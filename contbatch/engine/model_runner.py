@@ -212,7 +212,7 @@ class ModelRunner:
         single = counts == 1
         member_sets = [single.nonzero().squeeze(1)] if bool(single.any()) else []
         member_sets += padding_bounded_sets((~single).nonzero().squeeze(1), counts, starts,
-                                             MAX_PADDING if self.device.type == "cpu" else None)
+                                            MAX_PADDING if self.device.type == "cpu" else None)
         groups = [attention_group(members, counts, starts, offsets, block_tables, block_size, self.windows)
                   for members in member_sets]
         if len(groups) == 1 and groups[0].real_queries is None:
