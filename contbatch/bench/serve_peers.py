@@ -108,8 +108,10 @@ def _given(args: argparse.Namespace, names: Sequence[str], prefix: str) -> list[
 
 
 def port_free(port: int) -> bool:
-    """Whether `port` on 127.0.0.1 can be bound now."""
+    """Whether a server can listen on `port` on 127.0.0.1 now: no socket listens there. Connections of a server
+    stopped a moment ago, left in TIME_WAIT, do not count: the servers bind with SO_REUSEADDR, as the probe does."""
     with socket.socket() as probe, suppress(OSError):
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((HOST, port))
         return True
     return False

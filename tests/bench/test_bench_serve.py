@@ -227,3 +227,22 @@ def test_end_to_end_against_a_contbatch_server() -> None:
     assert summary.duration_s > 0
     with socket.socket() as probe:  # the server is gone: its port can be bound again
         probe.bind(("127.0.0.1", port))
+
+
+def test_a_port_whose_last_server_just_stopped_is_free_again() -> None:
+    """The server closing its side of a connection first leaves it in TIME_WAIT on the server's port: a plain bind
+    fails for a minute, but servers (asyncio's, so uvicorn's) bind with SO_REUSEADDR and can listen there at
+    once."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not bench_serve.port_free(port), "a listening socket holds the port"
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()
+            assert client.recv(1) == b""
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))
+    assert bench_serve.port_free(port)
