@@ -58,8 +58,9 @@ class StepPipeline:
     N's deltas, so one step's deltas come one `step` call later than synchronously. A request that ends with N
     (a stop token, a cancel) computed one token of N+1 for nothing: its results are dropped, its blocks are
     free for later steps. Tokens are those of the synchronous engine (seeded sampling included), logprobs too up
-    to rounding: only which requests share a batch may differ. Requests N+1 cannot continue before N's results are known are left for the step after
-    (`Request.can_schedule_ahead`); while beam groups run, steps are synchronous.
+    to rounding: only which requests share a batch may differ. Requests N+1 cannot continue before N's results
+    are known are left for the step after (`Request.can_schedule_ahead`); while beam groups run, steps are
+    synchronous.
 
     Step timings (`StepTimer`) describe the batch whose forward a step waited for: "scheduled" is when the
     engine thread began waiting for it, having prepared the next.
