@@ -154,13 +154,16 @@ class ModelRunner:
         prompt logprobs). `live` (one flag per target), when given, leaves out the targets flagged False (ended
         while the step was in flight). The output carries the prompt logprobs of the latest `execute`."""
         prompt, self._prompt_logprobs = self._prompt_logprobs, {}
-        targets, rows = scheduler_output.sampling_targets, scheduler_output.sampling_rows
+        targets = scheduler_output.sampling_targets
+        rows = None
         if live is not None and not all(live):
             targets = [target for target, keep in zip(targets, live, strict=True) if keep]
-            rows = [row for row, keep in zip(rows, live, strict=True) if keep]
+            rows = [row for row, keep in zip(scheduler_output.sampling_rows, live, strict=True) if keep]
             if logits_mask is not None:
                 logits_mask = logits_mask[torch.tensor(live)]
-        if rows != list(range(logits.shape[0])):  # n samples of a prompt share its logits row
+        elif len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
+            rows = scheduler_output.sampling_rows
+        if rows is not None:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         if logits_mask is not None:
             logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
