@@ -10,6 +10,7 @@ import torch
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
 from contbatch.engine.batch import SchedulerOutput
+from contbatch.engine.cuda_graphs import DecodeGraphs, EagerReplay, GraphSettings
 from contbatch.engine.model_runner import PreparedBatch
 from contbatch.engine.outputs import EventType
 from contbatch.engine.request import RequestStatus
@@ -256,4 +257,22 @@ def test_auto_turns_async_batching_on_only_with_cuda_graphs() -> None:
     assert not engine.async_batching and engine.model_runner.graphs is None
     assert resolve_async_batching(None, engine.model_runner) is False
     assert resolve_async_batching(True, engine.model_runner) is True
+    engine.model_runner.graphs = DecodeGraphs(engine.cache, GraphSettings(2, 4, 3), EagerReplay())
+    assert resolve_async_batching(None, engine.model_runner) is True
+    assert resolve_async_batching(False, engine.model_runner) is False
     engine.close()
+
+
+def test_decode_graphs_replayed_on_the_forward_thread_match_generate() -> None:
+    """The combination auto turns on: decode steps replayed from graphs over padded buckets (`EagerReplay`, the
+    CPU stand-in for CUDA graphs), captured and replayed on the worker thread, with carried tokens."""
+    model = tiny_model("llama")
+    prompts = random_prompts(LENGTHS, seed=28)
+    with make_engine(model, use_async_batching=True, block_size=4, num_blocks=200, max_batch_tokens=32) as engine:
+        graphs = DecodeGraphs(engine.cache, GraphSettings(batch_interval=2, kv_interval=4, max_graphs=3),
+                              EagerReplay())
+        engine.model_runner.graphs = graphs
+        finished = _run(engine, prompts)
+    assert graphs.num_captures > 0
+    for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+        assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, max_new), f"r{index}"
