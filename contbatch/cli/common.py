@@ -22,7 +22,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "blocks, and throughput is the same from 16 to 256 on CPU; the Python API keeps "
                         "transformers' default of 256)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward pass")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="token budget of one forward pass (default: 512 on CPU, 2048 on CPU for `contbatch "
+                        "serve`, 4096 on CUDA)")
     parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--compile", action="store_true",
