@@ -19,7 +19,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +82,7 @@ def default_compile_config() -> CompileConfig:
 def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
     """`torch.compile` keywords for `config` (torch takes `mode` or `options`, not both: options win). `freezing`
     is left out: inductor decides on it from its global config, which `torch.compile(options=...)` does not
-    reach, so `CompiledForward` sets it around its calls instead (`freezing_patch`)."""
+    reach, so `CompiledForward` sets it around its calls instead (`compile_patch`)."""
     kwargs: dict[str, Any] = {"fullgraph": config.fullgraph, "dynamic": config.dynamic, "backend": config.backend}
     options = {key: value for key, value in (config.options or {}).items() if key != "freezing"}
     if options:
@@ -92,14 +92,20 @@ def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
     return kwargs
 
 
-def freezing_patch(config: CompileConfig) -> AbstractContextManager[Any]:
-    """Inductor's global `freezing` as `config.options` asks, for the duration of a call (compilation happens in
-    the first call, and in any recompile)."""
-    if (config.options or {}).get("freezing"):
-        import torch._inductor.config as inductor_config
+@contextmanager
+def compile_patch(config: CompileConfig) -> Iterator[None]:
+    """The global compile settings of a call of a forward compiled from `config` (compilation happens in the first
+    call, and in any recompile): dynamo's `specialize_float`, and inductor's `freezing` as `config.options` asks.
+    The forwards' Python floats (norm epsilons, attention scalings, rotary factors) are constants of the model.
+    Left symbolic, they are traced as inputs; inductor's pass that turns such floats into tensors then gives up on
+    one of them, and dynamo traces and compiles the whole forward a second time (more than half of a compile)."""
+    with ExitStack() as stack:
+        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+        if (config.options or {}).get("freezing"):
+            import torch._inductor.config as inductor_config
 
-        return inductor_config.patch(freezing=True)
-    return nullcontext()
+            stack.enter_context(inductor_config.patch(freezing=True))
+        yield
 
 
 @dataclass
@@ -133,7 +139,7 @@ class CompiledForward:
             raise ValueError(f"path {path!r} is not compiled")
         first = path not in self.compile_seconds
         start = time.perf_counter()
-        with freezing_patch(self.paths[path]):
+        with compile_patch(self.paths[path]):
             output = function(**inputs)
         if first:
             self.compile_seconds[path] = time.perf_counter() - start

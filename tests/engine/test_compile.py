@@ -1,4 +1,5 @@
-"""The compiled forward: greedy parity with `generate` with compile on, attention as one op, no graph break."""
+"""The compiled forward: greedy parity with `generate` with compile on, attention as one op, no graph break, each
+graph compiled once (no restarted analysis)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def test_compiled_greedy_matches_generate(name: str, frozen: bool, async_batchin
     for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
         assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, max_new), f"r{index}"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    counters = torch._dynamo.utils.counters
+    assert counters["aot_autograd"]["total"] == counters["stats"]["unique_graphs"], "a graph was compiled twice"
     packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     assert (packed > 0) == frozen
 
