@@ -56,7 +56,8 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
                    "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
                    *_given(args, ("model", "threads", *_CACHE_FLAGS), "--"),
                    *(["--compile"] if getattr(args, "compile", False) else []),
-                   "--async-batching", getattr(args, "async_batching", "auto")]
+                   "--async-batching", getattr(args, "async_batching", "auto"),
+                   "--dtype", getattr(args, "dtype", "auto")]
         return PeerSpec(name, command, env, BENCH_MODEL_ID)
     model_dir = _local_model_dir(args)
     # Offline: a model that is not local must fail fast instead of being fetched from the hub.
@@ -75,7 +76,7 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
 
 
 def _vllm_spec(args: argparse.Namespace, port: int, model_dir: str, env: dict[str, str]) -> PeerSpec:
-    """vLLM's OpenAI server in the peers environment, in the model's dtype (float32 for the embedded model), with
+    """vLLM's OpenAI server in the peers environment, in `--dtype` (auto: float32, contbatch's CPU default), with
     the CPU settings of `vllm_peer.runner_env`; `--max-batch-tokens` becomes its `--max-num-batched-tokens`."""
     from contbatch.bench import vllm_peer
 
@@ -85,7 +86,8 @@ def _vllm_spec(args: argparse.Namespace, port: int, model_dir: str, env: dict[st
         raise PeerUnavailable(str(error)) from error
     full_env, _ = vllm_peer.runner_env(python, env, vllm_peer.KV_CACHE_GIB)
     command = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model_dir, "--host", HOST,
-               "--port", str(port), "--served-model-name", BENCH_MODEL_ID, "--dtype", "float32",
+               "--port", str(port), "--served-model-name", BENCH_MODEL_ID,
+               "--dtype", "float32" if getattr(args, "dtype", "auto") == "auto" else args.dtype,
                "--disable-uvicorn-access-log"]
     if args.max_batch_tokens is not None:
         command += ["--max-num-batched-tokens", str(args.max_batch_tokens)]

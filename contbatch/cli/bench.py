@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from contbatch.cli.common import add_engine_flags, engine_config
+from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -103,7 +103,7 @@ def _bench(args: argparse.Namespace) -> int:
     if unknown or not engines:
         raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among "
                          "contbatch,contbatch-compiled,vllm,transformers,static")
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
     pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
@@ -158,7 +158,7 @@ def _bench_workload(args: argparse.Namespace) -> int:
     from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
     from contbatch.data.prompts import chat_inputs, load_prompts
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
     if args.workload == "prefix":
         inputs = workloads.shared_prefix_inputs(tokenizer, args.num_prompts)
@@ -259,7 +259,7 @@ def _bench_otel(args: argparse.Namespace) -> int:
     from contbatch.data.embedded import load_model_and_tokenizer
     from contbatch.data.prompts import chat_inputs, load_prompts
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
     print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), greedy, "

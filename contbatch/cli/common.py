@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from contbatch import ContinuousBatchingConfig
 from contbatch.engine.config import SCHEDULER_TYPES
 
 # Prefix caching shares whole blocks: with 256-token blocks a 200-token system prompt is never shared.
 CLI_BLOCK_SIZE = 16
 ASYNC_BATCHING = {"auto": None, "on": True, "off": False}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the engine flags to `parser`: `--model`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
+    """Add the engine flags to `parser`: `--model`, `--dtype`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
     `--scheduler`, `--threads`, `--compile` and `--async-batching`."""
     parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                        help="the model's dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--block-size", type=int, default=CLI_BLOCK_SIZE,
                         help=f"tokens per KV-cache block (default {CLI_BLOCK_SIZE}: prefix caching shares whole "
                         "blocks, and throughput is the same from 16 to 256 on CPU; the Python API keeps "
@@ -33,6 +38,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-batching", choices=tuple(ASYNC_BATCHING), default="auto",
                         help="use_async_batching: prepare the next step while the forward runs (auto: on with "
                         "CUDA graphs)")
+
+
+def model_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """The dtype `--dtype` names, None for auto (the loader's default)."""
+    return DTYPES[getattr(args, "dtype", "auto")]
 
 
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from contbatch.cli.common import add_engine_flags, engine_config
+from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
 from contbatch.jobs import JobInput, JobSettings, JobSummary, OutputLog, run_job
 
 
@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.ray:
         summary = _ray_job(args, job_input, settings)
     else:
-        model, tokenizer = load_model_and_tokenizer(args.model)
+        model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
         output = OutputLog(args.output, settings.record(tokenizer), args.overwrite, args.retry_failed)
         summary = run_job(model, tokenizer, job_input, output, settings, engine_config(args), args.limit,
                           progress=not args.quiet)

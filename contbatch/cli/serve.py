@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from contbatch import ContinuousBatchingConfig
-from contbatch.cli.common import add_engine_flags, engine_config
+from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
 from contbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 SERVE_MAX_BATCH_TOKENS = {"cpu": 2048}
@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     from contbatch.manager import ContinuousBatchingManager
     from contbatch.telemetry import Telemetry
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     config = serve_config(args, model.device)
     name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
     # queue_timeout=0: with --max-queue-size, a full queue answers 503 at once instead of blocking the event loop.

@@ -219,10 +219,11 @@ def _attend_group(
 
 
 def _decode_kernel_for(group: AttentionGroup, q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
-    """The CPU decode kernel when it applies: one query per request, float32 on CPU, and the kernel built."""
-    if group.num_queries != 1 or q.device.type != "cpu" or q.dtype != torch.float32:
+    """The CPU decode kernel when it applies: one query per request, on CPU, the query and the cache both float32
+    or both bfloat16, and the kernel built."""
+    if group.num_queries != 1 or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if cache.spec.dtype != torch.float32:
+    if cache.spec.dtype != q.dtype:
         return None
     return paged_decode_kernel()
 

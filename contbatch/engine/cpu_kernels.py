@@ -28,8 +28,9 @@ DecodeKernel = Callable[..., torch.Tensor]
 
 
 def paged_decode_kernel() -> DecodeKernel | None:
-    """The compiled `paged_decode_attention(query, key_cache, value_cache, slots, lengths, first, scale, softcap)`,
-    or None when it is disabled or cannot be built (the reason is logged once)."""
+    """The compiled `paged_decode_attention(query, key_cache, value_cache, slots, lengths, first, scale, softcap)`
+    (query and cache both float32 or both bfloat16; float32 arithmetic), or None when it is disabled or cannot be
+    built (the reason is logged once)."""
     module = kernel_module()
     return None if module is None else module.paged_decode_attention
 
@@ -85,8 +86,9 @@ PanelLinear = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"],
 
 @functools.cache
 def panel_gemm() -> PanelLinear | None:
-    """The compiled `panel_linear(x, panels, out_features, bias)`: `F.linear(x, weight, bias)` for x [M, K] float32
-    contiguous and `panels = pack_panels(weight)`, one FMA chain over k per output, so a row's result does not
+    """The compiled `panel_linear(x, panels, out_features, bias)`: `F.linear(x, weight, bias)` for x [M, K]
+    contiguous, float32 or bfloat16, and `panels = pack_panels(weight)` of x's dtype: one float32 FMA chain over k
+    per output (bfloat16 operands widened exactly, the result rounded to bfloat16 once), so a row's result does not
     depend on the other rows. None without AVX2 + FMA, when the kernels are not built, or with
     `CONTBATCH_PANEL_GEMM=0`."""
     module = kernel_module()
@@ -95,14 +97,21 @@ def panel_gemm() -> PanelLinear | None:
     return module.panel_linear  # type: ignore[no-any-return]
 
 
+_BF16_LINE_ORDER = [column for pair in zip(range(PANEL // 2), range(PANEL // 2, PANEL), strict=True) for column in pair]
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] as the panels `panel_linear` reads: [ceil(N / 16), K, 16], panel p holding output features
-    16p .. 16p + 15 (zeros past N), contiguous."""
+    16p .. 16p + 15 (zeros past N), contiguous. A bfloat16 weight's lines hold their 16 features in the order 0, 8,
+    1, 9, ..., 7, 15 (the kernel widens them to float32 with a shift and a mask)."""
     out_features, in_features = weight.shape
     padded = -out_features % PANEL
     if padded:
         weight = torch.cat([weight, weight.new_zeros(padded, in_features)])
-    return weight.reshape(weight.shape[0] // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+    panels = weight.reshape(weight.shape[0] // PANEL, PANEL, in_features).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        panels = panels[..., _BF16_LINE_ORDER]
+    return panels.contiguous()
 
 
 def _openmp_flags() -> list[str]:

@@ -10,6 +10,13 @@ also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at dec
 and more (prefill chunks) MKL is as fast for the layers, so a layer's product takes its packed copy only up to
 `LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always.
 
+bfloat16 weights are packed only where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16
+products are not available, `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), and there `F.linear` in bfloat16
+runs at about a seventh of the float32 rate. Every bfloat16 linear, the head included, then runs through the panel
+kernel at every row count: bfloat16 panels widened to float32 as they are read, float32 FMAs, the result rounded to
+bfloat16 once, at the rate of the float32 kernel with half its weight traffic. Where the CPU has bfloat16
+arithmetic, torch's own bfloat16 products stay.
+
 `packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
 through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of
 contbatch's forwards, and gives the model its own modules back afterwards: other code sees them only while such
@@ -28,6 +35,7 @@ keeps oneDNN where the panel kernel would run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -81,13 +89,28 @@ packed_linear = define_op(
 
 
 def packing_applies(linear: object) -> bool:
-    """Whether `linear` can be packed: exactly an `nn.Linear` with a float32 CPU weight that tracks its version
-    (not an inference tensor), oneDNN available, and packing not disabled (`CONTBATCH_PACK_WEIGHTS=0`)."""
+    """Whether `linear` can be packed: exactly an `nn.Linear` with a CPU weight that tracks its version (not an
+    inference tensor), oneDNN available, packing not disabled (`CONTBATCH_PACK_WEIGHTS=0`), and the weight float32,
+    or bfloat16 where `bf16_panels()`."""
     if _setting() == "0" or type(linear) is not nn.Linear:
         return False
     weight = linear.weight
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_inference()
+    dtype_applies = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_panels())
+    return (weight.device.type == "cpu" and dtype_applies and not weight.is_inference()
             and torch.backends.mkldnn.is_available())
+
+
+def bf16_panels() -> bool:
+    """Whether bfloat16 linears run through the panel kernel: it is built, and the CPU has no bfloat16 arithmetic
+    for oneDNN (so `F.linear` in bfloat16 takes a slow generic path)."""
+    return panel_gemm() is not None and not cpu_has_bf16()
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN has bfloat16 arithmetic on this CPU (AVX512-BF16, AMX), where torch's bfloat16 products are
+    fast."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -102,6 +125,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.max_rows = max_rows
         self.panels = panels
+        self.dtype = linear.weight.dtype
         self.handle = next(_handles)
         self._packed_from: tuple[int, int, bool] | None = None
         # plain references: `nn.Module.__getattr__` on a parameter costs microseconds, and every forward checks
@@ -140,7 +164,7 @@ class PackedLinear(nn.Module):
         compiled forward keeps seeing one module. It holds the parameters, not `linear`."""
         packed = _modules.get(linear)
         if (packed is None or not packed.stands_for(linear) or packed.max_rows != max_rows
-                or packed.panels != panels):
+                or packed.panels != panels or packed.dtype != linear.weight.dtype):
             packed = _modules[linear] = cls(linear, max_rows, panels)
         return packed
 
@@ -205,22 +229,35 @@ class _Plan:
     def of(cls, model: nn.Module, setting: str) -> _Plan:
         head = _output_head(model)
         sites = _layer_sites(model, head)
-        swaps = [(parent, name, own, PackedLinear.for_linear(own, LAYER_MAX_ROWS, panels=True))
+        swaps = [(parent, name, own, PackedLinear.for_linear(own, *_layer_kind(own)))
                  for parent, name, own in (sites if _packs_layers(sites) else [])]
-        packed_head = PackedLinear.for_linear(head) if packing_applies(head) else None  # type: ignore[arg-type]
+        packed_head = (PackedLinear.for_linear(head, *_head_kind(head))  # type: ignore[arg-type]
+                       if packing_applies(head) else None)
         return cls(setting, head, packed_head, swaps)
 
     def holds(self, model: nn.Module, setting: str) -> bool:
         """Whether the plan still describes `model`: same setting and head, every swapped module still in its
-        place with its own parameters, float32 on CPU (a module replaced or converted since makes a new plan)."""
+        place with its own parameters, of the dtype it was packed for, on CPU (a module replaced or converted since
+        makes a new plan)."""
         if setting != self.setting or _output_head(model) is not self.head:
             return False
         if self.packed_head is not None and not self.packed_head.stands_for(self.head):  # type: ignore[arg-type]
             return False
         packed = [self.packed_head] if self.packed_head is not None else []
         return (all(parent._modules.get(name) is own and swap.stands_for(own) for parent, name, own, swap in self.swaps)
-                and all(p._parameters_of[0].dtype == torch.float32 and p._parameters_of[0].is_cpu
+                and all(p._parameters_of[0].dtype == p.dtype and p._parameters_of[0].is_cpu
                         for p in packed + [swap[3] for swap in self.swaps]))
+
+
+def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
+    """(max_rows, panels) of a layer's `PackedLinear`: float32 in panels up to `LAYER_MAX_ROWS` rows, bfloat16 in
+    panels at every row count."""
+    return (0, True) if linear.weight.dtype == torch.bfloat16 else (LAYER_MAX_ROWS, True)
+
+
+def _head_kind(head: nn.Linear) -> tuple[int, bool]:
+    """(max_rows, panels) of the head's `PackedLinear`: float32 through oneDNN, bfloat16 in panels."""
+    return (0, head.weight.dtype == torch.bfloat16)
 
 
 def _setting() -> str:

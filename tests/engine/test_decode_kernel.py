@@ -38,7 +38,10 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     (2, 2, 24, 0.0),   # columns 4 vectors at a time then 1 at a time
     (1, 7, 80, 0.0),
 ])
-def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype) -> None:
+    """float32 within float32 rounding of the float64 result; bfloat16 (cache, query and output; float32
+    arithmetic inside) within one bfloat16 rounding of the float64 result on the same bfloat16 values."""
     kernel = paged_decode_kernel()
     assert kernel is not None
     generator = torch.Generator().manual_seed(kv_heads * 100 + dim)
@@ -53,9 +56,12 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     first = torch.tensor([0, 0, 3, 0, 9, 1, 0, 150])  # sliding windows start past 0
     query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
     scale = dim**-0.5
+    query, keys, values = query.to(dtype), keys.to(dtype), values.to(dtype)
     got = kernel(query, keys, values, slots, lengths, first, scale, softcap)
     expected = reference(query, keys, values, slots, lengths, first, scale, softcap)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_kernel_runs_on_every_torch_thread() -> None:

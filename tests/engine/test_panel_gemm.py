@@ -57,3 +57,50 @@ def test_bad_arguments_are_refused() -> None:
         gemm(torch.randn(8, 3).T, panels, 20, None)  # type: ignore[misc]
     with pytest.raises(RuntimeError, match="bias"):
         gemm(torch.randn(3, 8), panels, 20, torch.randn(19))  # type: ignore[misc]
+
+
+def test_bfloat16_panels_interleave_each_line() -> None:
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3).to(torch.bfloat16)
+    panels = pack_panels(weight)
+    assert panels.shape == (2, 3, PANEL) and panels.dtype == torch.bfloat16 and panels.is_contiguous()
+    order = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+    assert torch.equal(panels[0], weight[:16].T[:, order])
+    padded = torch.cat([weight[16:], weight.new_zeros(12, 3)])
+    assert torch.equal(panels[1], padded.T[:, order])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 1, 1), (6, 17, 37), (13, 300, 37), (32, 192, 576), (97, 20, 200), (301, 40, 9), (3, 20, 0),
+])
+def test_bfloat16_is_the_float32_product_rounded_once(bias: bool, rows: int, out_features: int,
+                                                      in_features: int) -> None:
+    """bfloat16 operands, float32 arithmetic (their products are exact), one rounding to bfloat16 at the end: within
+    one bfloat16 rounding of the exact result, and equal to its rounding nearly everywhere."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    out = panel_gemm()(x, pack_panels(weight), out_features, b)  # type: ignore[misc]
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-5 * max(in_features, 1))
+    assert (out == exact.to(torch.bfloat16)).double().mean() >= 0.98
+
+
+def test_a_bfloat16_rows_result_does_not_depend_on_the_batch() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(130, 200, generator=generator).to(torch.bfloat16)
+    panels = pack_panels(torch.randn(50, 200, generator=generator).to(torch.bfloat16))
+    gemm = panel_gemm()
+    whole = gemm(x, panels, 50, None)  # type: ignore[misc]
+    for start, stop in ((0, 1), (3, 14), (0, 96), (20, 130)):
+        assert torch.equal(gemm(x[start:stop].contiguous(), panels, 50, None), whole[start:stop])  # type: ignore[misc]
+
+
+def test_mixed_dtypes_are_refused() -> None:
+    gemm = panel_gemm()
+    with pytest.raises(RuntimeError, match="of x's dtype"):
+        gemm(torch.randn(3, 8).to(torch.bfloat16), pack_panels(torch.randn(20, 8)), 20, None)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        gemm(torch.randn(3, 8).half(), pack_panels(torch.randn(20, 8).half()), 20, None)  # type: ignore[misc]

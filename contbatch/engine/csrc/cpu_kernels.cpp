@@ -1,5 +1,7 @@
 // contbatch's CPU kernels: writing a layer's new K/V rows into the paged cache, and paged attention for
-// requests that compute one query token (decode), float32.
+// requests that compute one query token (decode). The cache holds float32 or bfloat16 (each bfloat16 row widened to
+// float32 as it is read, exactly); the arithmetic is float32 either way, and a bfloat16 query's output is rounded to
+// bfloat16 once, at the end.
 //
 // The decode kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
 // (request, kv head), the query heads of a GQA group sharing every key and value row they read.
@@ -27,32 +29,36 @@
 // kPrefetchAhead positions before it is read (prefetching changes no arithmetic).
 constexpr int64_t kPrefetchAhead = 8;
 
-static inline void prefetch_row(const float* row, int64_t dim) {
-  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 0, 3);
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t dim) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d, 0, 3);
 }
 
+template <typename T>
 struct Task {
   const float* q;        // [group, dim] the query heads of one kv head
-  const float* k;        // this kv head's key slots
-  const float* v;        // this kv head's value slots
+  const T* k;            // this kv head's key slots
+  const T* v;            // this kv head's value slots
   const int64_t* slots;  // the request's slot of each position
   int64_t first, length, group, dim;
   float scale, softcap;
   float* out;            // [group, dim]
 };
 
-static void attend_scalar(const Task& t, std::vector<float>& scores, std::vector<float>& acc) {
+template <typename T>
+static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t group = t.group, dim = t.dim, n = t.length, f = t.first;
   scores.assign(group * n, 0.f);
   acc.assign(group * dim, 0.f);
   std::vector<float> row_max(group, -INFINITY), row_sum(group, 0.f);
   for (int64_t j = f; j < n; ++j) {
-    const float* kr = t.k + t.slots[j] * dim;
+    const T* kr = t.k + t.slots[j] * dim;
     if (j + kPrefetchAhead < n) prefetch_row(t.k + t.slots[j + kPrefetchAhead] * dim, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = t.q + g * dim;
       float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += qg[d] * kr[d];
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * static_cast<float>(kr[d]);
       s *= t.scale;
       if (t.softcap > 0.f) s = t.softcap * std::tanh(s / t.softcap);
       scores[g * n + j] = s;
@@ -60,12 +66,12 @@ static void attend_scalar(const Task& t, std::vector<float>& scores, std::vector
     }
   }
   for (int64_t j = f; j < n; ++j) {
-    const float* vr = t.v + t.slots[j] * dim;
+    const T* vr = t.v + t.slots[j] * dim;
     if (j + kPrefetchAhead < n) prefetch_row(t.v + t.slots[j + kPrefetchAhead] * dim, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float p = std::exp(scores[g * n + j] - row_max[g]);
       row_sum[g] += p;
-      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * vr[d];
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * static_cast<float>(vr[d]);
     }
   }
   for (int64_t g = 0; g < group; ++g)
@@ -73,6 +79,14 @@ static void attend_scalar(const Task& t, std::vector<float>& scores, std::vector
 }
 
 #ifdef CONTBATCH_AVX2
+// 8 consecutive elements of a cache row as float32.
+static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+
+static inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
 // exp for x <= 88.37 (Cephes' single-precision polynomial, ~1 ulp); lanes below -87.3 give ~0.
 static inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
@@ -110,12 +124,13 @@ static inline float hmax(__m256 x) {
 }
 
 // The 8 scores of query head `qg` against rows `kr`, scaled (and soft-capped), lanes >= count at -inf.
-static inline __m256 scores8(const float* qg, const float* const* kr, int64_t dim, const Task& t, int64_t count) {
+template <typename T>
+static inline __m256 scores8(const float* qg, const T* const* kr, int64_t dim, const Task<T>& t, int64_t count) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < dim; c += 8) {
     const __m256 qv = _mm256_loadu_ps(qg + c);
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + c), a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(kr[i] + c), a[i]);
   }
   __m256 s = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(t.scale));
   if (t.softcap > 0.f) {
@@ -130,8 +145,8 @@ static inline __m256 scores8(const float* qg, const float* const* kr, int64_t di
 
 // out[g][c, c + 8 CN) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + 8 CN), g < GN: the
 // GN x CN output vectors stay in registers over the rows (independent FMA chains), each row is loaded once.
-template <int GN, int CN>
-static void accumulate_columns(const float* probs, int64_t stride, const float* const* vr, int64_t count,
+template <int GN, int CN, typename T>
+static void accumulate_columns(const float* probs, int64_t stride, const T* const* vr, int64_t count,
                                int64_t dim, int64_t c, float* out) {
   __m256 a[GN][CN];
   for (int g = 0; g < GN; ++g)
@@ -140,7 +155,7 @@ static void accumulate_columns(const float* probs, int64_t stride, const float* 
     __m256 b[GN];
     for (int g = 0; g < GN; ++g) b[g] = _mm256_broadcast_ss(probs + g * stride + i);
     for (int k = 0; k < CN; ++k) {
-      const __m256 v = _mm256_loadu_ps(vr[i] + c + 8 * k);
+      const __m256 v = load8(vr[i] + c + 8 * k);
       for (int g = 0; g < GN; ++g) a[g][k] = _mm256_fmadd_ps(b[g], v, a[g][k]);
     }
   }
@@ -149,8 +164,8 @@ static void accumulate_columns(const float* probs, int64_t stride, const float* 
 }
 
 // accumulate_columns over every column of the GN output rows, CN vectors at a time.
-template <int GN, int CN>
-static void accumulate_values(const float* probs, int64_t stride, const float* const* vr, int64_t count,
+template <int GN, int CN, typename T>
+static void accumulate_values(const float* probs, int64_t stride, const T* const* vr, int64_t count,
                               int64_t dim, float* out) {
   int64_t c = 0;
   for (; c + 8 * CN <= dim; c += 8 * CN) accumulate_columns<GN, CN>(probs, stride, vr, count, dim, c, out);
@@ -160,11 +175,12 @@ static void accumulate_values(const float* probs, int64_t stride, const float* c
 constexpr int64_t kValueRows = 16;
 constexpr int64_t kKeyPrefetch = 32;
 
-static void attend_avx2(const Task& t, std::vector<float>& scores, std::vector<float>&) {
+template <typename T>
+static void attend_avx2(const Task<T>& t, std::vector<float>& scores, std::vector<float>&) {
   const int64_t group = t.group, dim = t.dim, first = t.first, n = t.length;
   const int64_t stride = (n - first + 7) / 8 * 8;
   scores.resize(group * stride);
-  const float* rows[kValueRows];
+  const T* rows[kValueRows];
   for (int64_t j = first; j < std::min(first + kKeyPrefetch, n); ++j) prefetch_row(t.k + t.slots[j] * dim, dim);
   for (int64_t j = first; j < std::min(first + 8, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
   for (int64_t j0 = first; j0 < n; j0 += 8) {
@@ -253,35 +269,18 @@ void write_rows(torch::Tensor cache, const torch::Tensor& rows, const torch::Ten
   });
 }
 
-// query: [B, H, D]; key_cache, value_cache: [KVH, S, D] (head-major slots); slots: [B, L] cache slot of each
-// request's positions 0..L-1; lengths: [B] keys each request attends to; first: [B] first visible position
-// (sliding window). Returns [B, H, D].
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                                     const torch::Tensor& value_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& lengths, const torch::Tensor& first, double scale,
-                                     double softcap) {
-  TORCH_CHECK(query.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
-  TORCH_CHECK(slots.is_contiguous() && slots.dtype() == torch::kInt64);
-  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
-  const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
-  auto output = torch::empty_like(query);
-  const float* q = query.data_ptr<float>();
-  const float* k = key_cache.data_ptr<float>();
-  const float* v = value_cache.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* length = lengths.data_ptr<int64_t>();
-  const int64_t* start = first.data_ptr<int64_t>();
-  float* out = output.data_ptr<float>();
+template <typename T>
+static void decode_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
+                         const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t num_slots, int64_t max_len, float scale, float softcap) {
   const int64_t group = heads / kv_heads;
-
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch_a, scratch_b;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      const Task t{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                   slot + b * max_len, start[b], length[b], group, dim, static_cast<float>(scale),
-                   static_cast<float>(softcap), out + (b * heads + h * group) * dim};
+      const Task<T> t{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
+                      slot + b * max_len, start[b], length[b], group, dim, scale, softcap,
+                      out + (b * heads + h * group) * dim};
 #ifdef CONTBATCH_AVX2
       if (dim % 8 == 0) {
         attend_avx2(t, scratch_a, scratch_b);
@@ -291,7 +290,38 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
       attend_scalar(t, scratch_a, scratch_b);
     }
   });
-  return output;
+}
+
+// query: [B, H, D]; key_cache, value_cache: [KVH, S, D] (head-major slots), float32 or bfloat16, of the query's
+// dtype; slots: [B, L] cache slot of each request's positions 0..L-1; lengths: [B] keys each request attends to;
+// first: [B] first visible position (sliding window). Returns [B, H, D] in the query's dtype.
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                                     const torch::Tensor& value_cache, const torch::Tensor& slots,
+                                     const torch::Tensor& lengths, const torch::Tensor& first, double scale,
+                                     double softcap) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
+  TORCH_CHECK(slots.is_contiguous() && slots.dtype() == torch::kInt64);
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
+  const torch::Tensor q32 = query.to(torch::kFloat32);
+  auto output = torch::empty_like(q32);
+  const float* q = q32.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* start = first.data_ptr<int64_t>();
+  float* out = output.data_ptr<float>();
+  const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
+  if (dtype == torch::kFloat32) {
+    decode_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
+                 kv_heads, dim, num_slots, max_len, scale32, softcap32);
+    return output;
+  }
+  decode_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
+               out, batch, heads, kv_heads, dim, num_slots, max_len, scale32, softcap32);
+  return output.to(dtype);
 }
 
 // The index of the first maximal element of x[0, n), NaN counting as the maximum (torch.argmax's rule).

@@ -1,4 +1,7 @@
-// A float32 linear layer over a weight prepacked in column panels, for the row counts of decode and prefill steps.
+// A linear layer over a weight prepacked in column panels, for the row counts of decode and prefill steps, computed
+// in float32. The panels hold float32, or bfloat16 for bfloat16 models on CPUs without bfloat16 arithmetic: each
+// bfloat16 line is widened to float32 as it is loaded (exact), the products are float32 FMAs (exact for bfloat16
+// operands), and the result is rounded to bfloat16 once, at the end, as a float32-accumulating bfloat16 GEMM does.
 //
 // The weight [N, K] is stored as panels [P, K, 16] (P = ceil(N / 16), the last one zero-padded): panel p holds
 // output features 16p .. 16p + 15, one 64-byte line per k. A task is one panel; the rows are taken in blocks that
@@ -45,8 +48,22 @@ constexpr int64_t kChunk = 96;
 // panel's line for that k, y at the tile's outputs (rows ldy apart, ncols of the 16 columns real). With `resume` the
 // accumulators start from the partial sums in y, else from zero; with `finish` the bias is added, else y receives
 // partial sums for a later chunk of k. Either way each output stays one FMA chain over k in order.
-template <int R>
-inline void tile(const float* x, int64_t ldx, int64_t kc, const float* panel, float* y, int64_t ldy, int64_t ncols,
+// Line k of a panel as two float32 vectors (its 16 columns).
+inline void load_line(const float* line, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(line);
+  b1 = _mm256_loadu_ps(line + 8);
+}
+
+// A bfloat16 line is stored interleaved (columns 0, 8, 1, 9, ..., 7, 15: `pack_panels`), so that the low halves of its
+// eight 32-bit words are columns 0-7 and the high halves columns 8-15: one shift and one mask widen it.
+inline void load_line(const uint16_t* line, __m256& b0, __m256& b1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  b1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int R, typename P>
+inline void tile(const float* x, int64_t ldx, int64_t kc, const P* panel, float* y, int64_t ldy, int64_t ncols,
                  const float* bias, bool resume, bool finish) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols)), lane);
@@ -60,7 +77,8 @@ inline void tile(const float* x, int64_t ldx, int64_t kc, const float* panel, fl
   c##r##1 = resume ? _mm256_maskload_ps(y + r * ldy + 8, high) : zero;
   CONTBATCH_TILE_ROWS(CONTBATCH_START)
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 b0, b1;
+    load_line(panel + k * kPanel, b0, b1);
 #define CONTBATCH_FMA(r)                                \
   {                                                     \
     const __m256 a = _mm256_broadcast_ss(x##r + k);     \
@@ -80,38 +98,21 @@ inline void tile(const float* x, int64_t ldx, int64_t kc, const float* panel, fl
 #undef CONTBATCH_STORE
 }
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*, bool,
-                       bool);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+template <typename P>
+using TileFn = void (*)(const float*, int64_t, int64_t, const P*, float*, int64_t, int64_t, const float*, bool, bool);
+template <typename P>
+constexpr TileFn<P> kTiles[kTileRows + 1] = {nullptr, tile<1, P>, tile<2, P>, tile<3, P>, tile<4, P>, tile<5, P>,
+                                             tile<6, P>};
 
-}  // namespace
-
-bool has_panel_gemm() { return true; }
-
-// x [M, K] float32 contiguous; panels [P, K, 16] float32 contiguous with 16 (P - 1) < N <= 16 P; bias [N] or None.
-// Returns x @ W.T + bias, [M, N].
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
-  TORCH_CHECK(panels.dim() == 3 && panels.dtype() == torch::kFloat32 && panels.is_contiguous() &&
-                  panels.size(1) == x.size(1) && panels.size(2) == kPanel,
-              "panels: [P, K, 16] contiguous float32 with the K of x");
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
-  const float* bias_data = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->dtype() == torch::kFloat32 && bias->is_contiguous(),
-                "bias: [N] contiguous float32");
-    bias_data = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const float* xs = x.data_ptr<float>();
-  const float* ps = panels.data_ptr<float>();
-  float* ys = y.data_ptr<float>();
+// y [M, N] = xs [M, K] @ W.T + bias, W in panels `ps` [P, K, 16] of element type P.
+template <typename P>
+void panel_product(const float* xs, const P* ps, const float* bias_data, float* ys, int64_t M, int64_t K, int64_t N,
+                   int64_t P_count) {
   const int64_t block = std::max<int64_t>(kTileRows, kBlockFloats / std::max<int64_t>(K, 1) / kTileRows * kTileRows);
   const int64_t chunk = std::max<int64_t>(1, M <= kChunkMaxRows ? std::min(kChunk, K) : K);
   const int64_t chunks = std::max<int64_t>(1, (K + chunk - 1) / chunk);
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kLinesPerCacheLine = std::max<int64_t>(1, 64 / (kPanel * static_cast<int64_t>(sizeof(P))));
+  at::parallel_for(0, P_count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t m1 = std::min(M, m0 + block);
       const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
@@ -119,26 +120,59 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
       for (int64_t p = begin; p < end; ++p) {
         const int64_t ncols = std::min(kPanel, N - p * kPanel);
         const float* b = bias_data ? bias_data + p * kPanel : nullptr;
-        const float* panel = ps + p * K * kPanel;
+        const P* panel = ps + p * K * kPanel;
         const int64_t next_lines = p + 1 < end ? K : 0;
         const int64_t lines_per_step = (next_lines + steps - 1) / steps;
-        const float* next = panel + K * kPanel;
+        const P* next = panel + K * kPanel;
         int64_t step = 0;
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t k0 = c * chunk, kc = std::min(chunk, K - k0);
           for (int64_t m = m0; m < m1; m += kTileRows, ++step) {
             const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
             for (int64_t line = step * lines_per_step; line < stop; ++line) {
-              __builtin_prefetch(next + line * kPanel, 0, 3);
+              if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * kPanel, 0, 3);
             }
-            kTiles[std::min(kTileRows, m1 - m)](xs + m * K + k0, K, kc, panel + k0 * kPanel, ys + m * N + p * kPanel,
-                                                N, ncols, b, c > 0, c + 1 == chunks);
+            kTiles<P>[std::min(kTileRows, m1 - m)](xs + m * K + k0, K, kc, panel + k0 * kPanel,
+                                                   ys + m * N + p * kPanel, N, ncols, b, c > 0, c + 1 == chunks);
           }
         }
       }
     }
   });
-  return y;
+}
+
+}  // namespace
+
+bool has_panel_gemm() { return true; }
+
+// x [M, K] contiguous, float32 or bfloat16; panels [P, K, 16] contiguous of x's dtype with 16 (P - 1) < N <= 16 P
+// (bfloat16 lines interleaved, see load_line);
+// bias [N] or None. Returns x @ W.T + bias, [M, N], in x's dtype (computed in float32).
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                           const c10::optional<torch::Tensor>& bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+              "x: [M, K] contiguous float32 or bfloat16");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == dtype && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(2) == kPanel,
+              "panels: [P, K, 16] contiguous, of x's dtype and with the K of x");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
+  torch::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype, "bias: [N] of x's dtype");
+    bias32 = bias->to(torch::kFloat32).contiguous();
+  }
+  const torch::Tensor x32 = x.to(torch::kFloat32);
+  auto y = torch::empty({M, N}, x32.options());
+  const float* bias_data = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  if (dtype == torch::kFloat32) {
+    panel_product(x32.data_ptr<float>(), panels.data_ptr<float>(), bias_data, y.data_ptr<float>(), M, K, N, P);
+    return y;
+  }
+  const auto* bf16 = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  panel_product(x32.data_ptr<float>(), bf16, bias_data, y.data_ptr<float>(), M, K, N, P);
+  return y.to(dtype);
 }
 
 #else

@@ -1,0 +1,93 @@
+"""bfloat16 models on CPU: where the CPU has no bfloat16 arithmetic, every linear (the head too) runs through the
+panel kernel in bfloat16 panels at every row count and decode attention through the kernel on the bfloat16 cache;
+greedy tokens agree with `model.generate` in bfloat16 within a stated tolerance, since two float32-accumulating
+bfloat16 products that sum in different orders round differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from contbatch.engine import attention, cpu_kernels, packed_weights
+from contbatch.engine.packed_weights import PLAN_ATTRIBUTE, packed_forward, packing_applies
+from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
+
+pytestmark = pytest.mark.skipif(not packed_weights.bf16_panels(),
+                                reason="needs the panel kernel on a CPU without bfloat16 arithmetic")
+
+LENGTHS = [1, 5, 17, 40, 64, 9]
+MAX_NEW = [12, 9, 14, 6, 10, 16]
+# The tolerance of a greedy choice: the chosen token's logit in a plain bfloat16 forward is within this many
+# bfloat16 roundings (2^-8 relative) of the row's largest logit magnitude from that row's maximum.
+ROUNDINGS = 4
+
+
+def _bf16_model() -> nn.Module:
+    return fresh_tiny_model("llama").to(torch.bfloat16)
+
+
+def test_bf16_linears_are_packed_in_panels_for_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _bf16_model()
+    head = model.get_output_embeddings()
+    assert packing_applies(head)
+    with packed_forward(model):
+        plan = model.__dict__[PLAN_ATTRIBUTE]
+        assert plan.packed_head.panels and plan.packed_head.max_rows == 0
+        assert plan.swaps and all(swap.panels and swap.max_rows == 0 for *_, swap in plan.swaps)
+    monkeypatch.setattr(packed_weights, "cpu_has_bf16", lambda: True)
+    assert not packing_applies(head)  # torch's bfloat16 products are fast there
+    assert packing_applies(nn.Linear(4, 4))
+
+
+def test_packed_forward_is_a_bf16_forward() -> None:
+    """The same function as the model's own bfloat16 forward, up to bfloat16 rounding."""
+    model = _bf16_model()
+    ids = torch.tensor([random_prompts([50], seed=3)[0]])
+    with torch.no_grad():
+        own = model(ids).logits.double()
+        with packed_forward(model):
+            packed = model(ids).logits
+    assert packed.dtype == torch.bfloat16
+    scale = own.abs().max()
+    torch.testing.assert_close(packed.double(), own, rtol=0, atol=float(scale) * ROUNDINGS * 2**-8)
+
+
+def test_greedy_tokens_are_greedy_choices_of_a_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every token the engine chooses is, in a plain bfloat16 forward over the same sequence, within the tolerance
+    of that position's maximum logit; nearly all are its argmax, and generate's tokens are a prefix of the
+    engine's up to the first near-tie."""
+    calls = []
+    kernel = cpu_kernels.paged_decode_kernel()
+    assert kernel is not None
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args[0].dtype)  # type: ignore[attr-defined]
+        return kernel(*args)
+
+    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: counted)
+    model = _bf16_model()
+    prompts = random_prompts(LENGTHS, seed=7)
+    with make_engine(model, block_size=4, num_blocks=200, max_batch_tokens=24) as engine:
+        for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=max_new)
+        finished = run_engine(engine)
+    assert calls and set(calls) == {torch.bfloat16}
+    exact = total = 0
+    for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+        tokens = finished[f"r{index}"].generated_tokens
+        assert len(tokens) == max_new
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+        best = logits.max(-1).values
+        chosen = logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        tolerance = logits.abs().max(-1).values * ROUNDINGS * 2**-8
+        assert (chosen >= best - tolerance).all(), f"r{index}: a token far from the greedy choice"
+        exact += int((chosen == best).sum())
+        total += len(tokens)
+        expected = reference_generate(model, prompt, max_new)
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), len(tokens))
+        if agree < len(tokens):
+            gap = (logits[agree, tokens[agree]] - logits[agree, expected[agree]]).abs()
+            assert gap <= tolerance[agree], f"r{index}: departs from generate at token {agree} without a near-tie"
+    assert exact >= 0.9 * total
