@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from contbatch.bench import serve as bench_serve
 from contbatch.bench.serve import (
@@ -29,7 +30,7 @@ from contbatch.bench.serve import (
     poisson_schedule,
 )
 from contbatch.cli import build_parser
-from contbatch.cli.common import engine_config
+from contbatch.cli.common import engine_config, model_dtype
 
 
 def _chunk(payload: dict[str, object]) -> bytes:
@@ -140,10 +141,12 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     joined = " ".join(contbatch.command)
     assert "--port 9001" in joined and "--block-size 16" in joined and "--max-batch-tokens 128" in joined
     assert "--num-blocks" not in joined and "--compile" not in joined and "--async-batching auto" in joined
-    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile", "--async-batching", "on"), 9001)
-    assert compiled.command[-3:] == ["--compile", "--async-batching", "on"]
+    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile", "--async-batching", "on", "--dtype",
+                                                              "bfloat16"), 9001)
+    assert compiled.command[-5:] == ["--compile", "--async-batching", "on", "--dtype", "bfloat16"]
     served = build_parser().parse_args(["serve", *compiled.command[4:]])
     assert engine_config(served).use_async_batching is True and engine_config(served).use_default_compile_configs
+    assert model_dtype(served) is torch.bfloat16 and model_dtype(args) is None
     assert engine_config(args).use_async_batching is None
     transformers = bench_serve.peer_spec("transformers", args, 9002)
     joined = " ".join(transformers.command)
@@ -161,6 +164,8 @@ def test_vllm_peer_runs_vllms_server_from_the_peers_environment(tmp_path: Path) 
     assert spec.command[:3] == [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert f"--model {tmp_path} --host 127.0.0.1 --port 9003" in joined and "--dtype float32" in joined
     assert "--max-num-batched-tokens 256" in joined and spec.model == "bench-model"
+    bf16 = bench_serve.peer_spec("vllm", _bench_args("--peers-python", str(python), "--dtype", "bfloat16"), 9003)
+    assert "--dtype bfloat16" in " ".join(bf16.command)
     assert spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and spec.env["HF_HUB_OFFLINE"] == "1"
     missing = _bench_args("--model", str(tmp_path), "--peers-python", str(tmp_path / "nowhere"))
     with pytest.raises(PeerUnavailable, match="make bench-peers"):
