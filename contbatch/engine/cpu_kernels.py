@@ -97,7 +97,7 @@ def panel_gemm() -> PanelLinear | None:
     return module.panel_linear  # type: ignore[no-any-return]
 
 
-_BF16_LINE_ORDER = [column for pair in zip(range(PANEL // 2), range(PANEL // 2, PANEL), strict=True) for column in pair]
+_BF16_LINE_ORDER = [column for j in range(PANEL // 2) for column in (j, j + PANEL // 2)]
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

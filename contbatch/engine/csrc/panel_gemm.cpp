@@ -44,10 +44,6 @@ constexpr int64_t kChunk = 96;
   if constexpr (R > 4) { BODY(4) } \
   if constexpr (R > 5) { BODY(5) }
 
-// One R x 16 tile over k in [0, kc): x points at the tile's first row at its first k (rows ldx apart), panel at the
-// panel's line for that k, y at the tile's outputs (rows ldy apart, ncols of the 16 columns real). With `resume` the
-// accumulators start from the partial sums in y, else from zero; with `finish` the bias is added, else y receives
-// partial sums for a later chunk of k. Either way each output stays one FMA chain over k in order.
 // Line k of a panel as two float32 vectors (its 16 columns).
 inline void load_line(const float* line, __m256& b0, __m256& b1) {
   b0 = _mm256_loadu_ps(line);
@@ -62,6 +58,10 @@ inline void load_line(const uint16_t* line, __m256& b0, __m256& b1) {
   b1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// One R x 16 tile over k in [0, kc): x points at the tile's first row at its first k (rows ldx apart), panel at the
+// panel's line for that k, y at the tile's outputs (rows ldy apart, ncols of the 16 columns real). With `resume` the
+// accumulators start from the partial sums in y, else from zero; with `finish` the bias is added, else y receives
+// partial sums for a later chunk of k. Either way each output stays one FMA chain over k in order.
 template <int R, typename P>
 inline void tile(const float* x, int64_t ldx, int64_t kc, const P* panel, float* y, int64_t ldy, int64_t ncols,
                  const float* bias, bool resume, bool finish) {
