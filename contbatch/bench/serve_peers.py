@@ -55,7 +55,7 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
         command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
                    "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
                    *_given(args, ("model", "threads", *_CACHE_FLAGS), "--"),
-                   *(["--compile"] if getattr(args, "compile", False) else []),
+                   *_compile_flag(getattr(args, "compile", None)),
                    "--async-batching", getattr(args, "async_batching", "auto"),
                    "--dtype", getattr(args, "dtype", "auto")]
         return PeerSpec(name, command, env, BENCH_MODEL_ID)
@@ -73,6 +73,11 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
                "--host", HOST, "--port", str(port), "--log-level", "warning", *_given(args, _CACHE_FLAGS, "--cb-")]
     # The server is pinned to `model_dir` and rejects any other model id.
     return PeerSpec(name, command, env, model_dir)
+
+
+def _compile_flag(compile_forward: bool | None) -> list[str]:
+    """`--compile` / `--no-compile` as given; nothing when not given (the server's own default then holds)."""
+    return [] if compile_forward is None else ["--compile" if compile_forward else "--no-compile"]
 
 
 def _vllm_spec(args: argparse.Namespace, port: int, model_dir: str, env: dict[str, str]) -> PeerSpec:

@@ -32,9 +32,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "serve`, 4096 on CUDA)")
     parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--compile", action="store_true",
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the forward (use_default_compile_configs: inductor, dynamic shapes); "
-                        "the first steps pay the compile time")
+                        "the first steps pay the compile time (default: off; `contbatch serve` on CPU: on, "
+                        "compiled before it listens)")
     parser.add_argument("--async-batching", choices=tuple(ASYNC_BATCHING), default="auto",
                         help="use_async_batching: prepare the next step while the forward runs (auto: on with "
                         "CUDA graphs)")
@@ -48,6 +49,6 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype | None:
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine configuration named by the engine flags of `args` (see `add_engine_flags`)."""
     values = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_batch_tokens": args.max_batch_tokens,
-              "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", False),
+              "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", None),
               "use_async_batching": ASYNC_BATCHING[getattr(args, "async_batching", "auto")]}
     return ContinuousBatchingConfig.from_sources(None, values)

@@ -31,6 +31,7 @@ from contbatch.bench.serve import (
 )
 from contbatch.cli import build_parser
 from contbatch.cli.common import engine_config, model_dtype
+from contbatch.cli.serve import serve_config
 
 
 def _chunk(payload: dict[str, object]) -> bytes:
@@ -147,6 +148,10 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     served = build_parser().parse_args(["serve", *compiled.command[4:]])
     assert engine_config(served).use_async_batching is True and engine_config(served).use_default_compile_configs
     assert model_dtype(served) is torch.bfloat16 and model_dtype(args) is None
+    eager = bench_serve.peer_spec("contbatch", _bench_args("--no-compile"), 9001)
+    assert eager.command.count("--no-compile") == 1 and "--compile" not in eager.command
+    served = build_parser().parse_args(["serve", *eager.command[4:]])
+    assert serve_config(served, torch.device("cpu")).use_default_compile_configs is False
     assert engine_config(args).use_async_batching is None
     transformers = bench_serve.peer_spec("transformers", args, 9002)
     joined = " ".join(transformers.command)

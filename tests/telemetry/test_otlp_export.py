@@ -69,7 +69,8 @@ def test_serve_exports_the_request_span_under_the_callers_traceparent(receiver: 
            "OTEL_SERVICE_NAME": "contbatch-e2e", "OTEL_METRICS_EXPORTER": "otlp",
            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"{receiver.url}/v1/metrics", "OTEL_METRIC_EXPORT_INTERVAL": "200"}
     command = [sys.executable, "-m", "contbatch.cli", "serve", "--port", str(port), "--served-model-name", "smol",
-               "--otlp-traces-endpoint", receiver.url, "--num-blocks", "64", "--max-batch-tokens", "128"]
+               "--otlp-traces-endpoint", receiver.url, "--num-blocks", "64", "--max-batch-tokens", "128",
+               "--no-compile"]
     with open(tmp_path / "serve.log", "wb") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)

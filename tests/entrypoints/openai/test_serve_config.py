@@ -1,12 +1,17 @@
-"""`contbatch serve`'s engine configuration: the serving token budget on CPU, the flags that override it."""
+"""`contbatch serve`'s engine configuration: the serving token budget and the compile on CPU, the flags that override
+them, and the compile done before the server listens."""
 
 from __future__ import annotations
 
 import torch
+from torch._dynamo.utils import counters
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from contbatch import ContinuousBatchingConfig
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.cli import build_parser
-from contbatch.cli.serve import SERVE_MAX_BATCH_TOKENS, serve_config
+from contbatch.cli.common import engine_config
+from contbatch.cli.serve import SERVE_COMPILE, SERVE_MAX_BATCH_TOKENS, compile_before_serving, serve_config
+from contbatch.engine.compile import SHARED_ATTRIBUTE
 from contbatch.engine.engine import DEFAULT_MAX_BATCH_TOKENS
 
 
@@ -26,3 +31,55 @@ def test_an_explicit_budget_wins() -> None:
 
 def test_other_devices_keep_the_engine_default() -> None:
     assert _config(device="cuda").max_batch_tokens is None
+
+
+def test_serve_compiles_on_cpu_unless_told_not_to() -> None:
+    assert SERVE_COMPILE == {"cpu": True}
+    assert _config().use_default_compile_configs is True
+    assert _config("--no-compile").use_default_compile_configs is False
+    assert _config("--compile", device="cuda").use_default_compile_configs is True
+    assert not _config(device="cuda").use_default_compile_configs
+    for command in (["generate", "--input", "in.jsonl"], ["bench"]):
+        assert not engine_config(build_parser().parse_args(command)).use_default_compile_configs
+
+
+def _tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+class _Tokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(char) % 300 for char in text]
+
+
+def test_compile_before_serving_compiles_every_graph_the_server_then_meets() -> None:
+    """After the warm-up, a lone request and a batch of requests (prefill and decode steps of one and of several
+    requests) through the served manager compile nothing more, and their greedy tokens are `generate`'s."""
+    model = _tiny_model()
+    assert compile_before_serving(model, _Tokenizer(), ContinuousBatchingConfig()) is None
+    assert SHARED_ATTRIBUTE not in model.__dict__
+    config = _config("--block-size", "16", "--num-blocks", "64")
+    seconds = compile_before_serving(model, _Tokenizer(), config)
+    assert seconds is not None and seconds > 0
+    (compiled,) = model.__dict__[SHARED_ATTRIBUTE].values()
+    assert set(compiled.compile_seconds) == {"varlen", "decode"}
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [[5 + i + j for j in range(4 + 3 * i)] for i in range(5)]
+    manager = ContinuousBatchingManager(model, GenerationConfig(eos_token_id=None), config)
+    manager.start()
+    try:
+        outputs = [manager.get_result(manager.add_request(prompts[0], max_new_tokens=4), timeout=120)]
+        ids = [manager.add_request(prompt, max_new_tokens=6) for prompt in prompts[1:]]
+        outputs += [manager.get_result(request_id, timeout=120) for request_id in ids]
+    finally:
+        manager.stop(keep_for_next_session=True)
+    assert counters["stats"]["unique_graphs"] == graphs
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output is not None
+        reference = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=len(output.generated_tokens), do_sample=False, eos_token_id=None)
+        assert output.generated_tokens == reference[0, len(prompt):].tolist()
+    assert manager.engine.block_pool.is_whole
