@@ -72,22 +72,21 @@ def serve_config(args: argparse.Namespace, device: torch.device) -> ContinuousBa
 def compile_before_serving(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                            config: ContinuousBatchingConfig) -> float | None:
     """Compiles the forwards `config` asks for before the server takes its first request, so that no client waits
-    on a compile: it runs a prefill and decode steps of two requests, then of one (dynamo specialises a batch of
-    one). The compiled graphs are the model's, shared by every engine on it, so this runs on an engine of its own
-    with a few cache blocks. Returns the seconds it took, or None when `config` compiles no path."""
+    on a compile: it runs a prefill and decode steps of two requests, whose graph serves every later step (steps
+    of one token or logits row are padded to two, `pad_for_compile`). The compiled graphs are the model's, shared
+    by every engine on it, so this runs on an engine of its own with a few cache blocks. Returns the seconds it
+    took, or None when `config` compiles no path."""
     if not compile_paths(config.varlen_compile_config, config.decode_compile_config,
                          config.use_default_compile_configs):
         return None
     ids = tokenizer.encode(WARM_UP_TEXT, add_special_tokens=False)
-    prompts = ([ids[:5], ids[:9]], [ids[:7]])
     blocks = 2 * -(-(len(ids) + WARM_UP_NEW_TOKENS) // config.block_size) + 2
     warm = ContinuousBatchingConfig.from_sources(config, {"num_blocks": blocks, "max_queue_size": 0})
     generation = GenerationConfig(max_new_tokens=WARM_UP_NEW_TOKENS, min_new_tokens=WARM_UP_NEW_TOKENS,
                                   do_sample=False)
     start = time.perf_counter()
-    for batch in prompts:
-        generate_batch(model, batch, generation_config=generation, continuous_batching_config=warm,
-                       progress_bar=False)
+    generate_batch(model, [ids[:5], ids[:9]], generation_config=generation, continuous_batching_config=warm,
+                   progress_bar=False)
     return time.perf_counter() - start
 
 

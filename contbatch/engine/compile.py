@@ -8,8 +8,9 @@ it changes every step and must not become a guard or a constant of the graph.
 
 Two compiled forwards are kept, as transformers keeps them: "decode" (every request computes one token) and
 "varlen" (anything else), each from its `CompileConfig`. Shapes are dynamic (`dynamic=True` in the defaults), so
-a run compiles a bounded number of graphs whatever its batch sizes: one per path, plus the specialisations
-dynamo makes for a batch of one token.
+a run compiles a bounded number of graphs whatever its batch sizes: one per path config (paths of equal configs
+share it). The model runner pads a step of one token, or of fewer than two logits rows, to two
+(`compile_padding`), past the sizes dynamo specialises.
 """
 
 from __future__ import annotations

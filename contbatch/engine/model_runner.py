@@ -26,6 +26,7 @@ from contbatch.engine.attention_groups import (
 )
 from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
+from contbatch.engine.compile_padding import pad_for_compile
 from contbatch.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphSettings
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
@@ -109,7 +110,9 @@ class ModelRunner:
         else:
             inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0),
                       "logits_to_keep": logits_indices}
-            logits = forward(inputs, metadata)
+            if self.compiled is not None and path in self.compiled.paths:
+                inputs, metadata = pad_for_compile(inputs, metadata)
+            logits = forward(inputs, metadata)[:len(logits_indices)]
         self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)
         return logits[:num_sampling]
 

@@ -1,7 +1,10 @@
 """The compiled forward: greedy parity with `generate` with compile on, attention as one op, no graph break, each
-graph compiled once (no restarted analysis)."""
+graph compiled once (no restarted analysis), one graph for every step size (padded past dynamo's 0/1
+specialisation)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from transformers import CompileConfig
 
 from contbatch.engine.compile import compile_kwargs, compile_paths, default_compile_config
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
+from tests.engine.test_prompt_logprobs import check_entries, reference_logprobs
 
 LENGTHS = [1, 5, 17, 40]
 MAX_NEW = [6, 9, 3, 7]
@@ -91,3 +95,33 @@ def test_engines_of_one_model_share_the_compiled_forward() -> None:
         model.lm_head.weight.add_(0.5)
     with make_engine(model, **config) as third:
         assert third.model_runner.compiled is compiled and not compiled.compile_seconds
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
+def test_one_graph_serves_steps_of_one_token_and_of_fewer_than_two_logits_rows(name: str) -> None:
+    """After the first compile (two requests), no step compiles again: a lone request decoding (one token), a
+    prompt of one token, a prompt alone in chunks (no logits row, then one), a lone request asking for prompt
+    logprobs. Greedy tokens equal `generate`'s and the pool is whole (the padding touches only the scratch slot)."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = fresh_tiny_model(name)
+    reference = copy.deepcopy(model)
+    first, lone, chunked, logprobs = random_prompts([6, 9, 30, 11], seed=13)
+    with make_engine(model, block_size=4, num_blocks=64, max_batch_tokens=8,
+                     use_default_compile_configs=True) as engine:
+        engine.add_request(first, request_id="first", max_new_tokens=3)
+        engine.add_request(first[:4], request_id="second", max_new_tokens=3)
+        finished = run_engine(engine)
+        assert counters["stats"]["unique_graphs"] == 1
+        for request_id, prompt, max_new in [("lone", lone, 9), ("one-token", lone[:1], 5),
+                                            ("chunked", chunked, 4)]:
+            engine.add_request(prompt, request_id=request_id, max_new_tokens=max_new)
+            finished |= run_engine(engine)
+            assert finished[request_id].generated_tokens == reference_generate(model, prompt, max_new), request_id
+        engine.add_request(logprobs, request_id="logprobs", max_new_tokens=2, prompt_logprobs=1)
+        finished |= run_engine(engine)
+    assert counters["stats"]["unique_graphs"] == 1, "a step of one token or logits row compiled a graph of its own"
+    assert finished["first"].generated_tokens == reference_generate(model, first, 3)
+    assert finished["second"].generated_tokens == reference_generate(model, first[:4], 3)
+    check_entries(finished["logprobs"].prompt_logprobs, reference_logprobs(reference, logprobs), logprobs, 1)
