@@ -8,7 +8,7 @@ Padding never changes a real token's result:
   - a lone token gets a padding request beside it, as a captured decode graph pads its bucket
     (`StaticDecodeInputs`): token 0 at position 0, its K/V written to and read from the cache's scratch slot,
     never a slot of a block in the pool;
-  - missing logits rows repeat the last token's row; the caller keeps only the first `rows` rows.
+  - missing logits rows repeat the last token's row; the caller keeps only the rows it asked for.
 """
 
 from __future__ import annotations
@@ -41,5 +41,4 @@ def _pad_lone_token(inputs: dict[str, torch.Tensor], metadata: PagedAttentionMet
     key = GraphKey(MIN_SIZE, tuple((layout.length, layout.first is not None) for layout in group.layouts))
     padded = StaticDecodeInputs(key, metadata.cache)
     padded.fill(inputs["input_ids"][0], inputs["position_ids"][0], metadata)
-    keep = inputs["logits_to_keep"]
-    return {**padded.inputs, "logits_to_keep": keep}, padded.metadata
+    return {**padded.inputs, "logits_to_keep": inputs["logits_to_keep"]}, padded.metadata
