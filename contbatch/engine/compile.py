@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, GenerationConfig
 
 from contbatch.engine.ops import define_op
 from contbatch.engine.weights import WeightsFingerprint
@@ -182,11 +182,23 @@ def shared_compiled_forward(model: torch.nn.Module, paths: dict[str, CompileConf
     return compiled
 
 
-def compile_paths(varlen: CompileConfig | None, decode: CompileConfig | None,
-                  use_defaults: bool) -> dict[str, CompileConfig]:
-    """The paths to compile: each explicit config, and with `use_defaults` the default for the paths not set."""
+def compile_paths(varlen: CompileConfig | None, decode: CompileConfig | None, use_defaults: bool,
+                  fallback: CompileConfig | None = None) -> dict[str, CompileConfig]:
+    """The paths to compile, each from the first of (transformers' order): its explicit config; with
+    `use_defaults`, `default_compile_config()`; `fallback` (the generation config's, `generation_compile_config`).
+    A path with none of them is absent: it runs eagerly."""
     paths = {name: config for name, config in (("varlen", varlen), ("decode", decode)) if config is not None}
-    if use_defaults:
-        for name in ("varlen", "decode"):
-            paths.setdefault(name, default_compile_config())
+    for name in ("varlen", "decode"):
+        if name in paths:
+            continue
+        if use_defaults:
+            paths[name] = default_compile_config()
+        elif fallback is not None:
+            paths[name] = fallback
     return paths
+
+
+def generation_compile_config(config: GenerationConfig) -> CompileConfig | None:
+    """The compile config a resolved generation config gives the paths that have none of their own: its
+    `compile_config`, unless it sets `disable_compile` (which turns off `generate`'s own compilation too)."""
+    return None if config.disable_compile else config.compile_config

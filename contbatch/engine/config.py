@@ -24,9 +24,10 @@ class ContinuousBatchingConfig:
         allow_block_sharing: allow requests to share KV blocks (prefix caching); it can only be allowed, never
             forced.
         varlen_compile_config, decode_compile_config: `torch.compile` settings of the steps that prefill (varlen)
-            and of the steps where every request decodes one token; None runs that path eagerly (unless
-            `use_default_compile_configs`). The model's forward is compiled whole, attention included as the
-            custom op `contbatch::paged_attention` (see `contbatch.engine.compile`).
+            and of the steps where every request decodes one token; None runs that path eagerly, unless
+            `use_default_compile_configs` is set or the generation config has a `compile_config` (the fallback
+            transformers takes; `disable_compile` turns it off). The model's forward is compiled whole, attention
+            included as the custom op `contbatch::paged_attention` (see `contbatch.engine.compile`).
         use_default_compile_configs: compile the paths left None with `default_compile_config` (inductor,
             dynamic shapes).
         use_cuda_graph: replay decode steps (every request computes one token) from captured CUDA graphs

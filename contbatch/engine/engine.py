@@ -13,7 +13,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
-from contbatch.engine.compile import compile_paths
+from contbatch.engine.compile import compile_paths, generation_compile_config
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.cuda_graphs import resolve_graph_settings
 from contbatch.engine.generation_config import as_ids, check_supported, resolve_generation_config
@@ -88,7 +88,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
         config = self.config
         self.model_runner = ModelRunner(model, self.cache, compile_paths(
-            config.varlen_compile_config, config.decode_compile_config, config.use_default_compile_configs
+            config.varlen_compile_config, config.decode_compile_config, config.use_default_compile_configs,
+            generation_compile_config(self.generation_config),
         ), resolve_graph_settings(config.use_cuda_graph, config.q_padding_interval_size,
                                   config.kv_padding_interval_size, config.max_cached_graphs, device,
                                   config.decode_compile_config))

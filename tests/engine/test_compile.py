@@ -8,9 +8,11 @@ import copy
 
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, GenerationConfig
 
-from contbatch.engine.compile import compile_kwargs, compile_paths, default_compile_config
+from contbatch.engine.compile import compile_kwargs, compile_paths, default_compile_config, generation_compile_config
+from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.engine.engine import LLMEngine
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 from tests.engine.test_prompt_logprobs import check_entries, reference_logprobs
 
@@ -58,6 +60,27 @@ def test_only_configured_paths_compile() -> None:
                                                           "backend": "inductor", "mode": "default"}
     assert compile_kwargs(FROZEN) == compile_kwargs(default_compile_config())  # freezing: set around calls
     assert compile_kwargs(decode)["mode"] == "default"
+
+
+def test_paths_without_a_config_fall_back_to_the_generation_configs() -> None:
+    """transformers' order for each path: its own config, the default config, the generation config's
+    `compile_config` (unless `disable_compile`), else eager; the engine's compiled paths follow it."""
+    own, fallback = CompileConfig(dynamic=True, mode="default"), CompileConfig(dynamic=True, mode="max-autotune")
+    assert compile_paths(None, own, False, fallback) == {"varlen": fallback, "decode": own}
+    assert compile_paths(None, own, True, fallback)["varlen"] == default_compile_config()
+    assert compile_paths(None, None, False, None) == {}
+    model = fresh_tiny_model("llama")
+    for disable, expected in ((None, {"varlen": fallback, "decode": own}), (True, {"decode": own})):
+        generation = GenerationConfig(do_sample=False, compile_config=fallback, disable_compile=disable)
+        assert generation_compile_config(generation) == (None if disable else fallback)
+        with LLMEngine(model, generation, ContinuousBatchingConfig(num_blocks=8, decode_compile_config=own)) as engine:
+            assert engine.model_runner.compiled is not None and engine.model_runner.compiled.paths == expected
+    model.generation_config.compile_config = fallback
+    with LLMEngine(model, GenerationConfig(do_sample=False), ContinuousBatchingConfig(num_blocks=8)) as engine:
+        assert engine.model_runner.compiled is not None and engine.model_runner.compiled.paths == {
+            "varlen": fallback, "decode": fallback}
+    with LLMEngine(model, GenerationConfig(disable_compile=True), ContinuousBatchingConfig(num_blocks=8)) as engine:
+        assert engine.model_runner.compiled is None
 
 
 def test_weight_update_recompiles_frozen_graphs() -> None:
