@@ -64,8 +64,8 @@ def resolve_graph_settings(use_cuda_graph: bool | None, q_interval: int, kv_inte
         return None
     if decode_compile is not None and _compile_makes_graphs(decode_compile):
         if use_cuda_graph:
-            warnings.warn(f"decode_compile_config mode {decode_compile.mode!r} captures CUDA graphs itself: "
-                          f"contbatch's decode graphs are off", stacklevel=3)
+            warnings.warn(f"the decode path's compile config (mode {decode_compile.mode!r}) captures CUDA graphs "
+                          f"itself: contbatch's decode graphs are off", stacklevel=3)
         return None
     return GraphSettings(q_interval or PRESET_BATCH_INTERVAL, kv_interval or PRESET_KV_INTERVAL,
                          max_graphs or PRESET_MAX_GRAPHS)

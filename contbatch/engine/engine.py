@@ -87,12 +87,11 @@ class LLMEngine:
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
         config = self.config
-        self.model_runner = ModelRunner(model, self.cache, compile_paths(
-            config.varlen_compile_config, config.decode_compile_config, config.use_default_compile_configs,
-            generation_compile_config(self.generation_config),
-        ), resolve_graph_settings(config.use_cuda_graph, config.q_padding_interval_size,
-                                  config.kv_padding_interval_size, config.max_cached_graphs, device,
-                                  config.decode_compile_config))
+        paths = compile_paths(config.varlen_compile_config, config.decode_compile_config,
+                              config.use_default_compile_configs, generation_compile_config(self.generation_config))
+        self.model_runner = ModelRunner(model, self.cache, paths, resolve_graph_settings(
+            config.use_cuda_graph, config.q_padding_interval_size, config.kv_padding_interval_size,
+            config.max_cached_graphs, device, paths.get("decode")))
         self.sampler = self.model_runner.sampler
         self.beam_search = BeamSearch(self.scheduler)
         self.device = device

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
+from contbatch.engine import engine as engine_module
 from contbatch.engine.compile import compile_kwargs, compile_paths, default_compile_config, generation_compile_config
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.engine import LLMEngine
@@ -62,9 +63,14 @@ def test_only_configured_paths_compile() -> None:
     assert compile_kwargs(decode)["mode"] == "default"
 
 
-def test_paths_without_a_config_fall_back_to_the_generation_configs() -> None:
+def test_paths_without_a_config_fall_back_to_the_generation_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers' order for each path: its own config, the default config, the generation config's
-    `compile_config` (unless `disable_compile`), else eager; the engine's compiled paths follow it."""
+    `compile_config` (unless `disable_compile`), else eager; the engine's compiled paths follow it, and the
+    decode path's resolved config is the one that decides on CUDA graphs."""
+    decides: list[CompileConfig | None] = []
+    resolve = engine_module.resolve_graph_settings
+    monkeypatch.setattr(engine_module, "resolve_graph_settings",
+                        lambda *args: decides.append(args[-1]) or resolve(*args))
     own, fallback = CompileConfig(dynamic=True, mode="default"), CompileConfig(dynamic=True, mode="max-autotune")
     assert compile_paths(None, own, False, fallback) == {"varlen": fallback, "decode": own}
     assert compile_paths(None, own, True, fallback)["varlen"] == default_compile_config()
@@ -79,6 +85,7 @@ def test_paths_without_a_config_fall_back_to_the_generation_configs() -> None:
     with LLMEngine(model, GenerationConfig(do_sample=False), ContinuousBatchingConfig(num_blocks=8)) as engine:
         assert engine.model_runner.compiled is not None and engine.model_runner.compiled.paths == {
             "varlen": fallback, "decode": fallback}
+    assert decides == [own, own, fallback]
     with LLMEngine(model, GenerationConfig(disable_compile=True), ContinuousBatchingConfig(num_blocks=8)) as engine:
         assert engine.model_runner.compiled is None
 

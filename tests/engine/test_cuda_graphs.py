@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, GenerationConfig
 
 from contbatch.engine import attention
+from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.cuda_graphs import (
     PRESET_BATCH_INTERVAL,
     PRESET_KV_INTERVAL,
@@ -179,6 +180,18 @@ def test_cuda_graphs_match_generate_on_gpu(name: str) -> None:
         assert finished[f"r{index}"].generated_tokens == expected, f"r{index}"
 
 
+@CUDA
+def test_a_generation_compile_config_that_makes_graphs_turns_contbatchs_off() -> None:
+    """The decode path compiled through the generation config's `compile_config` (transformers' fallback) in a
+    mode that captures CUDA graphs itself: contbatch captures none of its own."""
+    model = copy.deepcopy(tiny_model("llama")).cuda()
+    generation = GenerationConfig(do_sample=False, compile_config=CompileConfig(mode="reduce-overhead"))
+    with LLMEngine(model, generation, ContinuousBatchingConfig(num_blocks=16)) as engine:
+        assert engine.model_runner.graphs is None
+        assert engine.model_runner.compiled is not None and set(engine.model_runner.compiled.paths) == {
+            "varlen", "decode"}
+
+
 @pytest.mark.parametrize("num_queries", [1, 5])
 def test_folded_grouped_query_attention_equals_sdpa_with_gqa(num_queries: int) -> None:
     """The GPU attention path folds each KV head's query heads into its query length: same result as SDPA's own
@@ -200,7 +213,7 @@ def test_manager_streams_from_cuda_graphs_while_another_thread_trains() -> None:
     and backward on the same model: streamed tokens equal generate's, and the training forward is the model's own."""
     from transformers import GenerationConfig
 
-    from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+    from contbatch import ContinuousBatchingManager
 
     model = copy.deepcopy(tiny_model("llama")).cuda()
     prompts = random_prompts(LENGTHS, seed=8)
