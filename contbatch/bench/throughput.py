@@ -36,8 +36,9 @@ class BenchResult:
         wall_s: seconds of wall-clock time for the whole workload (warm-up excluded); > 0.
         generated_tokens: tokens generated, summed over requests, each request's first EOS included.
         prompt_tokens: prompt tokens, summed over requests.
-        outputs: per prompt, in input order, the generated ids (EOS included), for engines that report them
-            (contbatch, vLLM); None otherwise. Used to count agreeing outputs, not shown in the table.
+        outputs: per prompt, in input order, the generated ids (the first EOS included), for engines that report
+            them (all of this module's, and vLLM); None otherwise. Used to count agreeing outputs, not shown in
+            the table.
     """
 
     engine: str
@@ -157,26 +158,28 @@ def run_transformers_generate_batch(
     # No torch.inference_mode() here: generate_batch decodes in a worker thread, which does not inherit the
     # caller's inference mode, and fails writing to the inference tensors the caller's thread allocated
     # ("Inplace update to inference tensor outside InferenceMode"). generate_batch runs under no_grad itself.
-    _generate_batch_tokens(model, inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
+    _generate_batch_outputs(model, inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
     start = time.perf_counter()
-    generated = _generate_batch_tokens(model, inputs, max_new_tokens, eos_token_id, pad_token_id)
+    outputs = _generate_batch_outputs(model, inputs, max_new_tokens, eos_token_id, pad_token_id)
     wall = time.perf_counter() - start
     return BenchResult(
         engine="transformers generate_batch (continuous)",
         wall_s=wall,
-        generated_tokens=generated,
+        generated_tokens=sum(map(len, outputs)),
         prompt_tokens=sum(len(ids) for ids in inputs),
+        outputs=outputs,
     )
 
 
-def _generate_batch_tokens(
+def _generate_batch_outputs(
     model: PreTrainedModel,
     inputs: list[list[int]],
     max_new_tokens: int,
     eos_token_id: EosTokenId,
     pad_token_id: int | None,
-) -> int:
-    """Run `model.generate_batch` and return the number of generated tokens, checking every request finished."""
+) -> list[list[int]]:
+    """Run `model.generate_batch` and return each prompt's generated tokens in input order (its request ids,
+    `req_<n>`, are numbered in input order), checking every request finished."""
     config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
     outputs = model.generate_batch(inputs=inputs, generation_config=config)
     failed = [rid for rid, out in outputs.items() if out.error is not None]
@@ -184,7 +187,8 @@ def _generate_batch_tokens(
         raise RuntimeError(
             f"generate_batch returned {len(outputs)} results for {len(inputs)} requests; failed: {failed[:5]}"
         )
-    return sum(len(out.generated_tokens) for out in outputs.values())
+    ordered = sorted(outputs.items(), key=lambda item: int(item[0].rsplit("_", 1)[-1]))
+    return [[int(token) for token in output.generated_tokens] for _, output in ordered]
 
 
 def run_static_generate(
@@ -210,23 +214,26 @@ def run_static_generate(
     with torch.inference_mode():
         _static_batch(model, inputs[:_WARMUP_PROMPTS], warmup_config, pad_token_id, eos)
         start = time.perf_counter()
-        generated = sum(
-            _static_batch(model, inputs[i : i + batch_size], config, pad_token_id, eos)
+        outputs = [
+            row
             for i in range(0, len(inputs), batch_size)
-        )
+            for row in _static_batch(model, inputs[i : i + batch_size], config, pad_token_id, eos)
+        ]
         wall = time.perf_counter() - start
     return BenchResult(
         engine=f"transformers generate (static, batch {batch_size})",
         wall_s=wall,
-        generated_tokens=generated,
+        generated_tokens=sum(map(len, outputs)),
         prompt_tokens=sum(len(ids) for ids in inputs),
+        outputs=outputs,
     )
 
 
 def _static_batch(
     model: PreTrainedModel, batch: list[list[int]], config: GenerationConfig, pad_token_id: int, eos: set[int]
-) -> int:
-    """Generate for one left-padded batch and return its generated-token count (see `count_until_eos`)."""
+) -> list[list[int]]:
+    """Generate for one left-padded batch; returns each row's generated tokens up to and including its first EOS
+    (see `count_until_eos`)."""
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -237,7 +244,7 @@ def _static_batch(
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
     )
-    return count_until_eos(out[:, width:].cpu(), eos)
+    return [row[:count_until_eos(row[None], eos)].tolist() for row in out[:, width:].cpu()]
 
 
 def count_until_eos(new_tokens: torch.Tensor, eos: set[int]) -> int:

@@ -17,9 +17,11 @@ from contbatch.bench.throughput import (
     count_until_eos,
     format_table,
     measure_gemm_gflops,
+    run_contbatch,
     run_static_generate,
     run_transformers_generate_batch,
 )
+from contbatch.bench.vllm_peer import agreement_lines
 from contbatch.data import embedded
 from contbatch.data.prompts import GSM8K_TEST_PATH, chat_inputs, load_prompts
 
@@ -162,13 +164,19 @@ def test_count_until_eos_counts_first_eos_only() -> None:
     assert count_until_eos(rows, set()) == 12
 
 
-def test_static_generate_counts_tokens(first_load: Loaded) -> None:
+def test_static_generate_counts_tokens_and_reports_its_outputs(first_load: Loaded) -> None:
+    """The static peer's outputs are each prompt's tokens in input order; the bench compares them with
+    contbatch's (same greedy tokens on the embedded model)."""
     model, tokenizer, _ = first_load
-    inputs = chat_inputs(tokenizer, load_prompts(limit=2))
-    result = run_static_generate(model, inputs, 4, tokenizer.eos_token_id, tokenizer.pad_token_id, batch_size=2)
-    assert result.generated_tokens == 8
+    inputs = chat_inputs(tokenizer, load_prompts(limit=3))
+    eos = tokenizer.eos_token_id
+    result = run_static_generate(model, inputs, 4, eos, tokenizer.pad_token_id, batch_size=2)
+    assert result.generated_tokens == 12 and [len(row) for row in result.outputs or []] == [4, 4, 4]
     assert result.prompt_tokens == sum(len(i) for i in inputs)
     assert result.wall_s > 0
+    ours = run_contbatch(model, inputs, 4, eos)
+    assert ours.outputs == result.outputs
+    assert agreement_lines([ours, result]) == [f"{result.engine} greedy outputs agree with contbatch's: 3/3 prompts"]
 
 
 # generate_batch's default configuration sizes a multi-GB paged cache and warms up on 8192-token batches at
@@ -181,6 +189,7 @@ def test_generate_batch_matches_static(first_load: Loaded) -> None:
     static = run_static_generate(model, inputs, 4, eos, tokenizer.pad_token_id, batch_size=2)
     continuous = run_transformers_generate_batch(embedded.embedded_model_dir(), inputs, 4, eos)
     assert continuous.generated_tokens == static.generated_tokens == 8
+    assert continuous.outputs == static.outputs
 
 
 def test_format_table_ratios() -> None:
