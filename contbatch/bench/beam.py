@@ -10,7 +10,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.bench.throughput import BenchResult, count_until_eos
+from contbatch.bench.throughput import BenchResult, static_batch
 
 
 def beam_config(num_beams: int, max_new_tokens: int, eos: int | list[int], pad: int) -> GenerationConfig:
@@ -42,12 +42,6 @@ def run_beam(model: PreTrainedModel, inputs: list[list[int]], config: Generation
 
 def _static(model: PreTrainedModel, batch: list[list[int]], config: GenerationConfig) -> list[list[int]]:
     """The best sequence's generated tokens for each prompt of `batch`, left-padded into one `generate` call."""
-    width = max(map(len, batch))
-    pad = int(config.pad_token_id)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    with torch.inference_mode():
-        output = model.generate(ids, attention_mask=mask, generation_config=config)
     eos = set(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
-    new = output[:, width:]
-    return [row[:count_until_eos(row[None], eos)].tolist() for row in new]
+    with torch.inference_mode():
+        return static_batch(model, batch, config, int(config.pad_token_id), eos)

@@ -212,12 +212,12 @@ def run_static_generate(
     warmup_config = _greedy_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
     eos = _eos_set(eos_token_id)
     with torch.inference_mode():
-        _static_batch(model, inputs[:_WARMUP_PROMPTS], warmup_config, pad_token_id, eos)
+        static_batch(model, inputs[:_WARMUP_PROMPTS], warmup_config, pad_token_id, eos)
         start = time.perf_counter()
         outputs = [
             row
             for i in range(0, len(inputs), batch_size)
-            for row in _static_batch(model, inputs[i : i + batch_size], config, pad_token_id, eos)
+            for row in static_batch(model, inputs[i : i + batch_size], config, pad_token_id, eos)
         ]
         wall = time.perf_counter() - start
     return BenchResult(
@@ -229,7 +229,7 @@ def run_static_generate(
     )
 
 
-def _static_batch(
+def static_batch(
     model: PreTrainedModel, batch: list[list[int]], config: GenerationConfig, pad_token_id: int, eos: set[int]
 ) -> list[list[int]]:
     """Generate for one left-padded batch; returns each row's generated tokens up to and including its first EOS
