@@ -103,7 +103,7 @@ def run_contbatch(
     if failed:
         raise RuntimeError(f"contbatch failed {len(failed)} requests, first: {failed[0]}")
     return BenchResult(
-        engine="contbatch (compiled)" if _compile_paths(model, config) else "contbatch",
+        engine="contbatch (compiled)" if _compiles(model, config) else "contbatch",
         wall_s=wall,
         generated_tokens=sum(len(output.generated_tokens) for output in outputs.values()),
         prompt_tokens=sum(len(ids) for ids in inputs),
@@ -111,12 +111,10 @@ def run_contbatch(
     )
 
 
-def _compile_paths(model: PreTrainedModel, config: ContinuousBatchingConfig | None) -> dict[str, object]:
-    from contbatch.engine.compile import compile_paths, generation_compile_config
+def _compiles(model: PreTrainedModel, config: ContinuousBatchingConfig | None) -> bool:
+    from contbatch.engine.compile import engine_compile_paths
 
-    config = config or ContinuousBatchingConfig()
-    return dict(compile_paths(config.varlen_compile_config, config.decode_compile_config,
-                              config.use_default_compile_configs, generation_compile_config(model.generation_config)))
+    return bool(engine_compile_paths(config or ContinuousBatchingConfig(), model.generation_config))
 
 
 def compile_seconds(model: PreTrainedModel) -> dict[str, float]:

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from contbatch import ContinuousBatchingConfig, generate_batch
 from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
-from contbatch.engine.compile import compile_paths, generation_compile_config
+from contbatch.engine.compile import engine_compile_paths
 from contbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 SERVE_MAX_BATCH_TOKENS = {"cpu": 2048}
@@ -75,9 +75,9 @@ def compile_before_serving(model: PreTrainedModel, tokenizer: PreTrainedTokenize
     on a compile: it runs a prefill and decode steps of two requests, whose graph serves every later step (steps
     of one token or logits row are padded to two, `pad_for_compile`). The compiled graphs are the model's, shared
     by every engine on it, so this runs on an engine of its own with a few cache blocks. Returns the seconds it
-    took, or None when no path is compiled (by `config`, or by the model's generation config, `compile_paths`)."""
-    if not compile_paths(config.varlen_compile_config, config.decode_compile_config,
-                         config.use_default_compile_configs, generation_compile_config(model.generation_config)):
+    took, or None when no path is compiled (by `config`, or by the model's generation config:
+    `engine_compile_paths`)."""
+    if not engine_compile_paths(config, model.generation_config):
         return None
     ids = tokenizer.encode(WARM_UP_TEXT, add_special_tokens=False)
     blocks = 2 * -(-(len(ids) + WARM_UP_NEW_TOKENS) // config.block_size) + 2

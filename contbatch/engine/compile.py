@@ -22,13 +22,16 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import CompileConfig, GenerationConfig
 
 from contbatch.engine.ops import define_op
 from contbatch.engine.weights import WeightsFingerprint
+
+if TYPE_CHECKING:
+    from contbatch.engine.config import ContinuousBatchingConfig
 
 COMPILED_MARKER = "compiled"
 _compiles = itertools.count()
@@ -202,3 +205,11 @@ def generation_compile_config(config: GenerationConfig) -> CompileConfig | None:
     """The compile config a resolved generation config gives the paths that have none of their own: its
     `compile_config`, unless it sets `disable_compile` (which turns off `generate`'s own compilation too)."""
     return None if config.disable_compile else config.compile_config
+
+
+def engine_compile_paths(config: ContinuousBatchingConfig, generation_config: GenerationConfig
+                         ) -> dict[str, CompileConfig]:
+    """The paths an engine with `config` and the resolved `generation_config` compiles (`compile_paths`, the
+    generation config's `compile_config` as the fallback)."""
+    return compile_paths(config.varlen_compile_config, config.decode_compile_config,
+                         config.use_default_compile_configs, generation_compile_config(generation_config))

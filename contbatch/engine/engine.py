@@ -13,7 +13,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
-from contbatch.engine.compile import compile_paths, generation_compile_config
+from contbatch.engine.compile import engine_compile_paths
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.cuda_graphs import resolve_graph_settings
 from contbatch.engine.generation_config import as_ids, check_supported, resolve_generation_config
@@ -87,8 +87,7 @@ class LLMEngine:
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
         config = self.config
-        paths = compile_paths(config.varlen_compile_config, config.decode_compile_config,
-                              config.use_default_compile_configs, generation_compile_config(self.generation_config))
+        paths = engine_compile_paths(config, self.generation_config)
         self.model_runner = ModelRunner(model, self.cache, paths, resolve_graph_settings(
             config.use_cuda_graph, config.q_padding_interval_size, config.kv_padding_interval_size,
             config.max_cached_graphs, device, paths.get("decode")))
