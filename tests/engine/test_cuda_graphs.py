@@ -211,8 +211,6 @@ def test_folded_grouped_query_attention_equals_sdpa_with_gqa(num_queries: int) -
 def test_manager_streams_from_cuda_graphs_while_another_thread_trains() -> None:
     """The manager's engine thread captures and replays graphs while the caller's thread runs a training forward
     and backward on the same model: streamed tokens equal generate's, and the training forward is the model's own."""
-    from transformers import GenerationConfig
-
     from contbatch import ContinuousBatchingManager
 
     model = copy.deepcopy(tiny_model("llama")).cuda()
