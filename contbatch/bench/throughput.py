@@ -10,9 +10,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig, Telemetry
 from contbatch.api import generate_batch
@@ -144,6 +145,7 @@ def run_transformers_generate_batch(
     Raises:
         RuntimeError: a request failed or is missing from generate_batch's results (it logs, not raises).
     """
+    model: PreTrainedModel
     if isinstance(model_dir_or_model, str | Path):
         model = AutoModelForCausalLM.from_pretrained(
             model_dir_or_model, dtype=torch.float32, attn_implementation=CB_ATTN_IMPLEMENTATION, local_files_only=True
@@ -179,7 +181,7 @@ def _generate_batch_outputs(
     """Run `model.generate_batch` and return each prompt's generated tokens in input order (its request ids,
     `req_<n>`, are numbered in input order), checking every request finished."""
     config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
-    outputs = model.generate_batch(inputs=inputs, generation_config=config)
+    outputs = cast(GenerationMixin, model).generate_batch(inputs=inputs, generation_config=config)
     failed = [rid for rid, out in outputs.items() if out.error is not None]
     if failed or len(outputs) != len(inputs):
         raise RuntimeError(
@@ -194,17 +196,20 @@ def run_static_generate(
     inputs: list[list[int]],
     max_new_tokens: int,
     eos_token_id: EosTokenId,
-    pad_token_id: int,
+    pad_token_id: int | None,
     batch_size: int = 32,
 ) -> BenchResult:
     """Run the workload through static-batch `model.generate`: left-padded batches of `batch_size` prompts
-    in input order, greedy.
+    in input order, greedy, padded with `pad_token_id` (None: the first EOS id).
 
     Each row's generated tokens are counted up to and including its first EOS (the padding a finished row
     receives while the rest of its batch decodes is not counted).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    pad_token_id = pad_token_id if pad_token_id is not None else _first_eos(eos_token_id)
+    if pad_token_id is None:
+        raise ValueError("static generate pads its batches: the model has neither a pad nor an EOS token id")
     model.eval()
     config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
     warmup_config = _greedy_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
@@ -239,7 +244,7 @@ def static_batch(
         input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, width - len(ids) :] = 1
     device = model.device
-    out = model.generate(
+    out = cast(Any, model).generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
     )
     return [row[:count_until_eos(row[None], eos)].tolist() for row in out[:, width:].cpu()]

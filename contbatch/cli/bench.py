@@ -106,11 +106,12 @@ def _bench(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
+    pad = model.generation_config.pad_token_id
     print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), greedy, "
           f"max_new_tokens={args.max_new_tokens}; {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
           flush=True)
-    results, notes = [], []
+    results: list[BenchResult] = []
+    notes: list[str] = []
     for name in engines:
         result = _run_throughput_engine(name, args, model, inputs, eos, pad, notes)
         print(f"  {result.engine}: {result.wall_s:.1f} s, {result.generated_tok_s:.1f} generated tok/s", flush=True)
@@ -178,12 +179,12 @@ def _bench_workload(args: argparse.Namespace) -> int:
                  f"counted), max_new_tokens={args.max_new_tokens}")
     elif args.workload == "structured":
         inputs = structured.json_inputs(tokenizer, args.num_prompts)
-        runs = structured.run_structured(model, tokenizer, inputs, args.max_new_tokens, eos, engine_config(args))
-        results = [result for result, _, _ in runs]
+        checked = structured.run_structured(model, tokenizer, inputs, args.max_new_tokens, eos, engine_config(args))
+        results = [result for result, _, _ in checked]
         lines = [f"run {index // 2 + 1}, {result.engine}: {valid} of {len(inputs)} valid JSON answers"
                  + ("" if grammar is None else f"; its grammar work replayed alone: {grammar:.2f} s, "
                     f"{100 * grammar / result.wall_s:.1f}% of its wall time")
-                 for index, (result, valid, grammar) in enumerate(runs)]
+                 for index, (result, valid, grammar) in enumerate(checked)]
         title = (f"{len(inputs)} GSM8K prompts asking for a JSON answer ({sum(map(len, inputs))} prompt tokens), "
                  f"greedy, max_new_tokens={args.max_new_tokens}, runs interleaved")
     else:

@@ -29,7 +29,7 @@ class TokenHistory(NamedTuple):
 
 
 def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     histories: Sequence[TokenHistory] | None) -> torch.Tensor:
+                     histories: Sequence[TokenHistory | None] | None) -> torch.Tensor:
     """Returns [N, vocab] float32 scores: `logits` with, for every row whose parameters use processors
     (`SamplingParams.uses_processors`), in `generate`'s order: the additive biases (`logit_bias`,
     `sequence_bias`), the repetition penalty (prompt and generated tokens), OpenAI's presence and frequency
@@ -38,16 +38,18 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
     returned as is (not even converted) when no row uses a processor.
 
     Raises:
-        ValueError: when a row uses processors and `histories` is None or not one per row.
+        ValueError: when a row uses processors and `histories` is None, not one per row, or None at that row.
     """
     rows = [i for i, p in enumerate(params) if p.uses_processors]
     if not rows:
         return logits
     if histories is None or len(histories) != len(params):
         raise ValueError("logits processors need one token history per row")
+    seen = [history for history in (histories[i] for i in rows) if history is not None]
+    if len(seen) != len(rows):
+        raise ValueError("logits processors need the token history of every row that uses them")
     scores = logits.float().clone()
     chosen = [params[i] for i in rows]
-    seen = [histories[i] for i in rows]
     index = torch.tensor(rows, device=scores.device)
     part = scores.index_select(0, index)
     part = _add_biases(part, chosen, seen)

@@ -54,7 +54,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-        histories: Sequence[TokenHistory] | None = None,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
         """Chooses one token per row of `logits`.
 
@@ -66,9 +66,9 @@ class Sampler:
                 randomness only from it, so its token depends only on its logits, its parameters and its
                 generator state, not on the rest of the batch (nor on whether or how it asked for logprobs).
                 None draws from the global RNG.
-            histories: each row's tokens so far; needed when a row uses logits processors (penalties, biases,
-                banned tokens, `min_tokens`: see `apply_processors`), which apply to greedy rows too, as in
-                `generate`.
+            histories: each row's tokens so far (None for a row that needs none); needed when a row uses logits
+                processors (penalties, biases, banned tokens, `min_tokens`: see `apply_processors`), which apply
+                to greedy rows too, as in `generate`.
 
         Returns:
             The chosen tokens and, when any row asked, their log-probabilities, moved to CPU. Processed

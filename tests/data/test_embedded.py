@@ -179,6 +179,18 @@ def test_static_generate_counts_tokens_and_reports_its_outputs(first_load: Loade
     assert agreement_lines([ours, result]) == [f"{result.engine} greedy outputs agree with contbatch's: 3/3 prompts"]
 
 
+def test_static_generate_pads_with_the_first_eos_without_a_pad_token(first_load: Loaded) -> None:
+    """A model without a pad token and with a list of EOS ids (as Llama 3's) pads with its first EOS id."""
+    model, tokenizer, _ = first_load
+    inputs = chat_inputs(tokenizer, load_prompts(limit=2))
+    eos = tokenizer.eos_token_id
+    padded_with_eos = run_static_generate(model, inputs, 4, eos, eos, batch_size=2)
+    result = run_static_generate(model, inputs, 4, [eos], None, batch_size=2)
+    assert result.outputs == padded_with_eos.outputs and result.generated_tokens == 8
+    with pytest.raises(ValueError, match="neither a pad nor an EOS"):
+        run_static_generate(model, inputs, 4, None, None, batch_size=2)
+
+
 # generate_batch's default configuration sizes a multi-GB paged cache and warms up on 8192-token batches at
 # every call: 5 s (idle CPU) to 25 s (busy CPU) per call, two calls per run, too slow for the default run.
 @pytest.mark.skipif(not os.environ.get("CONTBATCH_SLOW_TESTS"), reason="set CONTBATCH_SLOW_TESTS=1 to run")

@@ -138,3 +138,13 @@ def test_a_row_with_processors_needs_its_history() -> None:
     logits, _ = batch(rows=1)
     with pytest.raises(ValueError, match="token history"):
         apply_processors(logits, [SamplingParams(repetition_penalty=1.2)], None)
+
+
+def test_only_the_rows_with_processors_need_a_history() -> None:
+    """The engine passes None for the history of a row that needs none; a processor row without one is refused."""
+    logits, histories = batch(rows=2)
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.5)]
+    out = apply_processors(logits, params, [None, histories[1]])
+    assert torch.equal(out, apply_processors(logits, params, histories))
+    with pytest.raises(ValueError, match="token history of every row"):
+        apply_processors(logits, params, [histories[0], None])
