@@ -29,6 +29,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest tests
@@ -53,4 +54,4 @@ $(PEERS_STAMP):
 bench-peers: $(PEERS_STAMP)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .import_linter_cache demo_results.jsonl
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache .import_linter_cache demo_results.jsonl

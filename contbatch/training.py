@@ -19,9 +19,10 @@ where each row of `continuations` starts with the prompt's last token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
+from transformers import PretrainedConfig
 
 from contbatch.engine.attention import ATTENTION_NAME, own_attention, supports_shared_prefix
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SharedPrefix
@@ -47,9 +48,9 @@ class SharedPrompt:
             ValueError: `model` is not attached to contbatch, or its own attention is neither "sdpa" nor "eager"
                 (its forwards would ignore the record).
         """
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base: torch.nn.Module = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model
         if not supports_shared_prefix(base):
-            config = base.config
+            config = cast(PretrainedConfig, base.config)
             if config._attn_implementation != ATTENTION_NAME:
                 raise ValueError(f"SharedPrompt needs a model contbatch is attached to (a manager or engine built on "
                                  f"it is alive); this one runs {config._attn_implementation!r} attention")

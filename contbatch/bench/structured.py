@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -74,13 +75,15 @@ def run_structured(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, i
             outputs = generate_batch(model, inputs, generation, config, progress_bar=False, tokenizer=tokenizer,
                                      structured_output=constraint)
             wall = time.perf_counter() - start
-            texts = [tokenizer.decode(o.generated_tokens, skip_special_tokens=True) for o in outputs.values()]
+            texts = [cast(str, tokenizer.decode(o.generated_tokens, skip_special_tokens=True))
+                     for o in outputs.values()]
             name = f"contbatch, JSON schema {'enforced' if constraint else 'off'}"
             result = BenchResult(name, wall, sum(len(o.generated_tokens) for o in outputs.values()),
                                  sum(map(len, inputs)))
             grammar = None
             if constraint is not None:
-                compiler = GrammarCompiler(tokenizer, model.get_input_embeddings().num_embeddings, as_ids(eos))
+                vocab_size = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
+                compiler = GrammarCompiler(tokenizer, vocab_size, as_ids(eos))
                 grammar = grammar_seconds(compiler, constraint, [o.generated_tokens for o in outputs.values()],
                                           compiler.vocab_size)
             results.append((result, sum(is_answer(text) for text in texts), grammar))

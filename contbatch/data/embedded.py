@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import transformers
@@ -109,7 +110,7 @@ def _convert_gguf_into(gguf: Path, out_dir: Path) -> None:
     # its (GGUF) quantization state, and a saved quantization_config would make the reload try to quantize.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    cast(Any, model).hf_quantizer = None
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, local_files_only=True)
@@ -186,7 +187,7 @@ def load_model_and_tokenizer(
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    loaded.to(device)
+    cast(torch.nn.Module, loaded).to(device)
     loaded.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return loaded, tokenizer

@@ -14,13 +14,14 @@ contbatch's.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PretrainedC
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from contbatch.engine.attention_types import visible_keys
+from contbatch.engine.attention_types import AttentionModule, visible_keys
 from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
@@ -115,7 +116,7 @@ class PagedAttentionMetadata:
 
 
 def paged_attention_forward(
-    module: torch.nn.Module,
+    module: AttentionModule,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -294,8 +295,12 @@ def remember_own_attention(model: torch.nn.Module) -> None:
         implementation = config._attn_implementation
         if implementation != ATTENTION_NAME:
             key = id(config)
-            _own_attention[key] = (weakref.ref(config, lambda _, key=key: _own_attention.pop(key, None)),
+            _own_attention[key] = (weakref.ref(config, functools.partial(_forget_own_attention, key)),
                                    implementation)
+
+
+def _forget_own_attention(key: int, _: object) -> None:
+    _own_attention.pop(key, None)
 
 
 def own_attention(config: PretrainedConfig) -> str | None:
@@ -306,7 +311,7 @@ def own_attention(config: PretrainedConfig) -> str | None:
     return entry[1]
 
 
-def _own_attention_function(module: torch.nn.Module) -> Callable[..., Any]:
+def _own_attention_function(module: AttentionModule) -> Callable[..., Any]:
     """The attention function `module` would call under the implementation its model had before attaching;
     "eager" is the modeling file's own `eager_attention_forward`, as transformers' modules resolve it."""
     own = own_attention(module.config)
@@ -316,7 +321,7 @@ def _own_attention_function(module: torch.nn.Module) -> Callable[..., Any]:
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if own == "eager" and eager is None:
         raise RuntimeError(f"{type(module).__name__}'s modeling file has no eager_attention_forward")
-    return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(own, cast(Callable[..., Any], eager))
 
 
 def supports_shared_prefix(model: torch.nn.Module) -> bool:

@@ -8,8 +8,20 @@ which blocks a cached prefix must have for a request to start after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+class AttentionModule(Protocol):
+    """What contbatch reads of the module transformers passes to an attention function: its layer's index and
+    its model's config."""
+
+    layer_idx: int
+    config: PretrainedConfig
 
 
 def _blocks(num_tokens: int, block_size: int) -> int:

@@ -94,7 +94,7 @@ def panel_gemm() -> PanelLinear | None:
     module = kernel_module()
     if module is None or os.environ.get("CONTBATCH_PANEL_GEMM", "1") == "0" or not module.has_panel_gemm():
         return None
-    return module.panel_linear  # type: ignore[no-any-return]
+    return module.panel_linear
 
 
 _BF16_LINE_ORDER = [column for j in range(PANEL // 2) for column in (j, j + PANEL // 2)]

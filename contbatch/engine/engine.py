@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -95,7 +95,7 @@ class LLMEngine:
         self.beam_search = BeamSearch(self.scheduler)
         self.device = device
         text_config = model.config.get_text_config()
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
         self.model = model
         self._weights: WeightsFingerprint | None = None

@@ -120,12 +120,12 @@ class ModelRunner:
         """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
         weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs
         them itself."""
-        compiled = self.compiled is not None and path in self.compiled.paths
-        frozen = compiled and self.compiled.freezes_weights  # type: ignore[union-attr]
+        compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
+        frozen = compiled is not None and compiled.freezes_weights
         with paged_forward(), nullcontext() if frozen else packed_forward(self.model):
-            if compiled:
+            if compiled is not None:
                 with step_metadata(metadata):
-                    output = self.compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})
+                    output = compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})
             else:
                 output = self.model(**inputs, use_cache=False, **{METADATA_KWARG: metadata})
         return output.logits[0]

@@ -43,6 +43,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,7 @@ packed_linear = define_op(
 """`packed_product` as the op `contbatch::packed_linear`, which a compiled graph calls without tracing into it."""
 
 
-def packing_applies(linear: object) -> bool:
+def packing_applies(linear: object) -> TypeGuard[nn.Linear]:
     """Whether `linear` can be packed: exactly an `nn.Linear` with a CPU weight that tracks its version (not an
     inference tensor), oneDNN available, packing not disabled (`CONTBATCH_PACK_WEIGHTS=0`), and the weight float32,
     or bfloat16 where `bf16_panels()`."""
@@ -196,7 +197,7 @@ def pending_packed_bytes(model: nn.Module) -> int:
     sites = _layer_sites(model, head)
     linears = [linear for _, _, linear in sites] if _packs_layers(sites) else []
     if packing_applies(head):
-        linears.append(head)  # type: ignore[arg-type]
+        linears.append(head)
     return sum(linear.weight.nbytes for linear in linears if not _is_packed(linear))
 
 
@@ -231,7 +232,7 @@ class _Plan:
         sites = _layer_sites(model, head)
         swaps = [(parent, name, own, PackedLinear.for_linear(own, *_layer_kind(own)))
                  for parent, name, own in (sites if _packs_layers(sites) else [])]
-        packed_head = (PackedLinear.for_linear(head, *_head_kind(head))  # type: ignore[arg-type]
+        packed_head = (PackedLinear.for_linear(head, *_head_kind(head))
                        if packing_applies(head) else None)
         return cls(setting, head, packed_head, swaps)
 

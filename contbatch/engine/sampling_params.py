@@ -220,7 +220,7 @@ class SamplingParams:
         base = cls()
         given = _normalise(overrides)
         if config is not None:
-            lengths = {"max_new_tokens": config.max_new_tokens or base.max_new_tokens,
+            lengths: dict[str, Any] = {"max_new_tokens": config.max_new_tokens or base.max_new_tokens,
                        "min_tokens": config.min_new_tokens or 0}
             if num_prompt_tokens is not None:
                 lengths = {"min_tokens": min_new_tokens_for(config, num_prompt_tokens),

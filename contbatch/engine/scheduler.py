@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from contbatch.engine.batch import PromptLogprobsTask, ScheduledRequest, SchedulerOutput
+from contbatch.engine.batch import PromptLogprobsTask, SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.outputs import (
     EventType,
@@ -162,7 +162,7 @@ class Scheduler:
         start, end = request.next_position, request.next_position + num_tokens
         token_ids = request.token_ids[start:end]
         carried = num_tokens - len(token_ids)
-        samplers = ()
+        samplers: tuple[SamplingTarget, ...] = ()
         if end == request.num_tokens + request.num_awaited_tokens and not request.is_score_only:
             followers = self._followers.get(request.request_id, ())
             samplers = (request.sampling_target, *(follower.sampling_target for follower in followers))

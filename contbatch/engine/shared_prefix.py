@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from contbatch.engine.attention_types import visible_keys
+from contbatch.engine.attention_types import AttentionModule, visible_keys
 
 SHARED_PREFIX_KWARG = "contbatch_shared_prefix"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -40,7 +40,7 @@ class SharedPrefix:
         return SharedPrefix(self.length, recording=False, layers=self.layers)
 
 
-def shared_prefix_attention(own: Callable[..., Any], own_name: str, module: torch.nn.Module, query: torch.Tensor,
+def shared_prefix_attention(own: Callable[..., Any], own_name: str, module: AttentionModule, query: torch.Tensor,
                             key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                             prefix: SharedPrefix, *args: Any, **kwargs: Any) -> Any:
     """transformers' attention-function contract, around the model's own attention function `own` (named

@@ -70,7 +70,7 @@ class StructuredOutput:
         ValueError: not exactly one field set, or a field of the wrong type or value (the message names it).
     """
 
-    json_schema: str | None = None
+    json_schema: str | dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +32,10 @@ class GenerationStream:
         self._queue: asyncio.Queue[ChoiceOutput] = asyncio.Queue()
         self._running = set(range(n))
         for index, choice_id in enumerate(self.ids):
-            client.register_result_handler(
-                choice_id, lambda output, index=index: self._queue.put_nowait(ChoiceOutput(index, output)))
+            client.register_result_handler(choice_id, self._handler(index))
+
+    def _handler(self, index: int) -> Callable[[GenerationOutput], None]:
+        return lambda output: self._queue.put_nowait(ChoiceOutput(index, output))
 
     def __aiter__(self) -> GenerationStream:
         return self

@@ -3,6 +3,9 @@ token boundaries."""
 
 from __future__ import annotations
 
+from typing import cast
+
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
@@ -22,7 +25,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = [text for text in stop or [] if text]
         self.longest_stop = max((len(text) for text in self.stop), default=0)
-        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend: Tokenizer | None = getattr(tokenizer, "_tokenizer", None)
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self._tokens: list[int] = []
         self._num_decoded = 0
@@ -52,10 +55,10 @@ class IncrementalDetokenizer:
         return "" if self.stopped else self._emit(len(self._pending))
 
     def _decode(self, token_ids: list[int] | tuple[int, ...]) -> str:
-        if self._stream is not None:
+        if self._stream is not None and self._backend is not None:
             return "".join(chunk for token in token_ids if (chunk := self._stream.step(self._backend, token)))
         self._tokens.extend(token_ids)
-        full = self.tokenizer.decode(self._tokens, skip_special_tokens=True)
+        full = cast(str, self.tokenizer.decode(self._tokens, skip_special_tokens=True))
         if full.endswith("\ufffd"):  # an incomplete character: wait for the tokens that complete it
             return ""
         new, self._num_decoded = full[self._num_decoded:], len(full)

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+Kind = Literal["text", "chat", "completion"]
+
 OPENAI_KEYS = frozenset({"custom_id", "url", "body"})
-OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+OPENAI_URLS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "stop")
-
-Kind = Literal["text", "chat", "completion"]
 
 
 @dataclass

@@ -6,7 +6,7 @@ import itertools
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -127,9 +127,10 @@ class RecordStream:
     def _tokenize(self, item: JobItem) -> list[int]:
         template = self.settings.chat_template and getattr(self.tokenizer, "chat_template", None) is not None
         if item.kind == "chat":
-            encoded = self.tokenizer.apply_chat_template(item.prompt, add_generation_prompt=True, tokenize=True)
+            messages = cast("list[dict[str, str]]", item.prompt)
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         elif item.kind == "text" and template:
-            encoded = self.tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}],
+            encoded = self.tokenizer.apply_chat_template([{"role": "user", "content": cast(str, item.prompt)}],
                                                          add_generation_prompt=True, tokenize=True)
         else:
             encoded = self.tokenizer(item.prompt)["input_ids"]
@@ -162,8 +163,8 @@ class RecordStream:
         request_id, j = self._samples.pop(output.request_id)
         pending = self._pending[request_id]
         pending.outputs[j] = output
-        pending.texts[j] = output.text if output.text is not None else self.tokenizer.decode(
-            output.generated_tokens, skip_special_tokens=True)
+        pending.texts[j] = output.text if output.text is not None else cast(str, self.tokenizer.decode(
+            output.generated_tokens, skip_special_tokens=True))
         if any(sample is None for sample in pending.outputs):
             return None
         del self._pending[request_id]

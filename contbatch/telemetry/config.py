@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -87,7 +87,7 @@ class Telemetry:
         if self.owns_providers:
             for provider in (self.tracer_provider, self.meter_provider):
                 if provider is not None:
-                    provider.shutdown()  # type: ignore[attr-defined]
+                    cast(Any, provider).shutdown()
 
 
 OFF = Telemetry()
@@ -107,6 +107,10 @@ def _global_providers() -> tuple[Any, Any] | None:
         from opentelemetry import metrics
 
         meter_provider = metrics.get_meter_provider()
-    found = tuple(None if type(provider).__name__ in _PLACEHOLDER_PROVIDERS else provider
-                  for provider in (tracer_provider, meter_provider))
+    found = (_installed(tracer_provider), _installed(meter_provider))
     return found if any(provider is not None for provider in found) else None
+
+
+def _installed(provider: Any) -> Any:
+    """`provider`, or None when it is a placeholder (nothing installed)."""
+    return None if type(provider).__name__ in _PLACEHOLDER_PROVIDERS else provider

@@ -51,5 +51,5 @@ def _prompts(state: ServerState, prompt: str | list[str] | list[int] | list[list
         texts = [str(text) for text in prompt]
         return [as_token_ids(ids) for ids in state.tokenizer(texts)["input_ids"]], texts
     if prompt and isinstance(prompt[0], list):
-        return [list(ids) for ids in cast(list[list[int]], prompt)], None
+        return [list(ids) for ids in prompt], None
     return [list(cast(list[int], prompt))], None

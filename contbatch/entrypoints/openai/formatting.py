@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -78,8 +78,8 @@ class Formatter:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model_name}
 
     def empty_choice(self, index: int) -> dict[str, Any]:
-        logprobs = ({"content": []} if self.chat else
-                    {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+        logprobs: dict[str, list[Any]] = ({"content": []} if self.chat else
+                                          {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
         return {"index": index, "text": "", "logprobs": logprobs if self.logprobs else None, "finish_reason": None}
 
     def first_choice(self, delta: ChoiceDelta) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class Formatter:
         return self.chunk(delta.index, content, logprobs, delta.finish_reason)
 
     def _add_logprobs(self, target: dict[str, Any], delta: ChoiceDelta, offset: int) -> None:
-        decode = self.tokenizer.decode
+        decode = cast("Callable[[list[int]], str]", self.tokenizer.decode)
         tops = delta.top_logprobs or [[] for _ in delta.token_ids]
         for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=False):
             if self.chat:
@@ -171,7 +171,8 @@ class Formatter:
     def _add_entry(self, target: dict[str, Any], token_id: int, logprob: float | None,
                    top: Iterable[tuple[int, float]] | None, offset: int) -> int:
         """Appends one token's legacy entry (no logprob: None, None) to `target`; returns the next offset."""
-        token = self.tokenizer.decode([token_id])
+        decode = cast("Callable[[list[int]], str]", self.tokenizer.decode)
+        token = decode([token_id])
         target["tokens"].append(token)
         target["text_offset"].append(offset)
         if logprob is None or top is None:
@@ -179,7 +180,7 @@ class Formatter:
             target["top_logprobs"].append(None)
             return offset + len(token)
         tops: dict[str, float] = {}
-        for key, value in [*((self.tokenizer.decode([i]), lp) for i, lp in top), (token, logprob)]:
+        for key, value in [*((decode([i]), lp) for i, lp in top), (token, logprob)]:
             tops[key] = max(tops.get(key, value), value, LOGPROB_FLOOR)
         target["token_logprobs"].append(max(logprob, LOGPROB_FLOOR))
         target["top_logprobs"].append(tops)

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -143,7 +143,8 @@ async def respond(state: ServerState, http: Request, body: SamplingFields, call:
     choices = _submit(state, body, call, origin)
     echo = None
     if call.echo:
-        echo = Echo(call.prompt_texts or [state.tokenizer.decode(prompt) for prompt in call.prompts], body.n)
+        texts = call.prompt_texts or [cast(str, state.tokenizer.decode(prompt)) for prompt in call.prompts]
+        echo = Echo(texts, body.n)
     formatter = Formatter(state.tokenizer, state.model_name, call.request_id, call.chat, call.logprobs, echo,
                           call.top_logprobs, call.prompt_logprobs)
     prompt_tokens = sum(len(prompt) for prompt in call.prompts)
@@ -166,10 +167,11 @@ def _sampling(body: SamplingFields, call: GenerationRequest, default_top_k: int 
     ones: temperature 1.0, and `top_k` is `default_top_k` (0, no top-k, unless the model's generation config
     sets one: then None, which the engine resolves to it). `structured_output` is passed only when set."""
     temperature = 1.0 if body.temperature is None else body.temperature
-    sampling = {"do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
-                "top_p": body.top_p, "top_k": default_top_k if body.top_k is None else body.top_k,
-                "seed": body.seed, "logprobs": call.logprobs, "top_logprobs": call.top_logprobs,
-                "logprobs_mode": body.logprobs_mode, "prompt_logprobs": call.engine_prompt_logprobs}
+    sampling: dict[str, Any] = {
+        "do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
+        "top_p": body.top_p, "top_k": default_top_k if body.top_k is None else body.top_k,
+        "seed": body.seed, "logprobs": call.logprobs, "top_logprobs": call.top_logprobs,
+        "logprobs_mode": body.logprobs_mode, "prompt_logprobs": call.engine_prompt_logprobs}
     if call.structured_output is not None:
         sampling["structured_output"] = call.structured_output
     extras = {name: getattr(body, name) for name in _ENGINE_EXTRAS if getattr(body, name) is not None}

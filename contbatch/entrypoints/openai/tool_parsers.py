@@ -22,7 +22,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_parsing import ResponseParser
@@ -175,7 +175,8 @@ class TemplateToolParser(ToolParser):
     region the template cannot parse becomes content (its text, stripped)."""
 
     def __init__(self, template: dict[str, Any], prefix: str, tools: list[dict[str, Any]] | None) -> None:
-        self._parser = _LenientResponseParser(template, prefix=prefix, tools=tools)
+        self._parser = _LenientResponseParser(
+            template, prefix=prefix, tools=cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools))
         self._pending = list(self._parser.initial_events)
 
     def feed(self, text: str) -> list[Piece]:
@@ -214,7 +215,7 @@ ParserFactory = Callable[[PreTrainedTokenizerBase, str, "list[dict[str, Any]] | 
 
 def _template_parser(tokenizer: PreTrainedTokenizerBase, prefix: str, tools: list[dict[str, Any]] | None
                      ) -> ToolParser:
-    return TemplateToolParser(tokenizer.response_template, prefix, tools)  # type: ignore[attr-defined]
+    return TemplateToolParser(tokenizer.response_template, prefix, tools)
 
 
 def _auto_parser(tokenizer: PreTrainedTokenizerBase, prefix: str, tools: list[dict[str, Any]] | None

@@ -15,8 +15,9 @@ plain content).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -115,10 +116,16 @@ class TemplateSupport:
 def _renders(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
              tools: list[dict[str, Any]] | None, *needles: str) -> bool:
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=_template_tools(tools), add_generation_prompt=True,
+                                             tokenize=False)
     except Exception:
         return False
     return isinstance(text, str) and all(needle in text for needle in needles)
+
+
+def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[Any, Any] | Callable[..., Any]] | None:
+    """`tools` as `apply_chat_template` types them (the same list)."""
+    return cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools)
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,8 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, support: TemplateSupport, me
         history = with_hermes_prompt(history, tools)
         tools = None
     try:
-        text = tokenizer.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(history, tools=_template_tools(tools), add_generation_prompt=True,
+                                             tokenize=False)
     except Exception as error:
         raise APIError(400, f"the chat template could not render the messages: {error}", code="invalid_request",
                        param="messages") from None

@@ -9,7 +9,7 @@ sequences and `max_gen_toks` follow `HFLM` (see `conventions`), so greedy result
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import torch
@@ -118,15 +118,15 @@ class ContbatchLM(TemplateLM):
         return encoding[-left_truncate_len:] if left_truncate_len else encoding
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+        return cast(str, self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat as one prompt string (`HFLM.apply_chat_template`: retried without the system turn when the
         template refuses one)."""
         def render(history: list[dict[str, str]]) -> str:
-            return self.tokenizer.apply_chat_template(
+            return cast(str, self.tokenizer.apply_chat_template(
                 history, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=not add_generation_prompt, **self.chat_template_args)
+                continue_final_message=not add_generation_prompt, **self.chat_template_args))
 
         try:
             return render(chat_history)
@@ -135,7 +135,7 @@ class ContbatchLM(TemplateLM):
             return render([message for message in chat_history if message["role"] != "system"])
 
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
-                              disable_tqdm: bool = False, **_: Any) -> list[tuple[float, bool]]:
+                              disable_tqdm: bool = False, **_kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of the continuation's logprobs, whether it is the greedy continuation) per request, all scored in
         one engine run (`contbatch.loglikelihood`) after `HFLM`'s left truncation to `max_length`."""
         if not requests:

@@ -14,9 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -81,7 +82,8 @@ def run_trainer(kind: str, settings: GRPOSettings) -> GRPOStepResult:
             use_transformers_continuous_batching=kind == "transformers-cb", dataloader_num_workers=0,
         )
         trainer_class = ContbatchGRPOTrainer if kind == "contbatch" else GRPOTrainer
-        trainer = trainer_class(model=model, reward_funcs=numeric_answer_reward, args=args,
+        reward = cast("Callable[..., list[float | None]]", numeric_answer_reward)
+        trainer = trainer_class(model=model, reward_funcs=reward, args=args,
                                 train_dataset=gsm8k_dataset(settings.num_prompts * settings.steps),
                                 processing_class=tokenizer)
         timer = _StepTimer(trainer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ def shared_prompt_logps(model: torch.nn.Module, input_ids: torch.Tensor, attenti
                              else F.pad(chunk_entropy, (0, logits_to_keep - group.completion_width)))
     inverse = torch.empty(len(order), dtype=torch.long, device=input_ids.device)
     inverse[torch.tensor(order, device=input_ids.device)] = torch.arange(len(order), device=input_ids.device)
-    entropy = None if any(e is None for e in entropies) else torch.cat(entropies)[inverse]  # type: ignore[misc]
+    entropy = None if any(e is None for e in entropies) else torch.cat(cast(list[torch.Tensor], entropies))[inverse]
     return torch.cat(logps)[inverse], entropy
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, RequestStatus
 from contbatch.integrations.trl.shared_prompt import shared_prompt_logps
@@ -77,7 +77,8 @@ class ContbatchGRPOTrainer(GRPOTrainer):
             outputs = self._run(manager, prompt_ids)
         if self.release_kv_between_steps:
             manager.sleep()
-        return [output.generated_tokens for output in outputs], [list(output.logprobs) for output in outputs]
+        logprobs = [list(cast(list[float], output.logprobs)) for output in outputs]
+        return [output.generated_tokens for output in outputs], logprobs
 
     def _run(self, manager: ContinuousBatchingManager, prompt_ids: Sequence[Sequence[int]]) -> list[GenerationOutput]:
         """Generates for every prompt, each distinct prompt once with n samples; outputs in prompt order."""
@@ -119,7 +120,7 @@ class ContbatchGRPOTrainer(GRPOTrainer):
             return False
         if any(value is not None for value in model_inputs.values()):
             return False
-        checkpointing = self.args.gradient_checkpointing_kwargs
+        checkpointing = cast("dict[str, Any] | None", self.args.gradient_checkpointing_kwargs)
         if self.args.gradient_checkpointing and checkpointing is not None and checkpointing.get("use_reentrant", True):
             return False
         unwrapped = self.accelerator.unwrap_model(model)
@@ -130,7 +131,7 @@ class ContbatchGRPOTrainer(GRPOTrainer):
         sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or 0,
                     "min_p": self.min_p or 0.0, "repetition_penalty": self.repetition_penalty,
                     "eos_token_id": list(self.eos_token_ids)}
-        sampling.update(self.args.generation_kwargs or {})
+        sampling.update(_generation_kwargs(self))
         return {**sampling, "logprobs": True, "logprobs_mode": "processed"}
 
     def _manager(self) -> ContinuousBatchingManager:
@@ -172,7 +173,7 @@ def _collect(manager: ContinuousBatchingManager, sample_of: dict[str, int]) -> l
 
 def _check_supported(trainer: GRPOTrainer) -> None:
     refused = [name for name in ("use_vllm", "use_transformers_continuous_batching") if getattr(trainer, name)]
-    refused += [f"generation_kwargs[{key!r}]" for key in trainer.args.generation_kwargs or {}
+    refused += [f"generation_kwargs[{key!r}]" for key in _generation_kwargs(trainer)
                 if key not in GENERATION_KWARGS]
     if getattr(trainer, "_is_vlm", False):
         refused.append("a multimodal model")
@@ -181,15 +182,21 @@ def _check_supported(trainer: GRPOTrainer) -> None:
     _generating_model(trainer.accelerator.unwrap_model(trainer.model))
 
 
+def _generation_kwargs(trainer: GRPOTrainer) -> dict[str, Any]:
+    """`args.generation_kwargs` of TRL's `GRPOConfig`, {} when unset (a JSON string is a dict once it is parsed)."""
+    return cast("dict[str, Any] | None", cast(GRPOConfig, trainer.args).generation_kwargs) or {}
+
+
 def _generating_model(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers model contbatch runs: the model itself, or a PEFT model's base model, into which LoRA-style
     adapters are injected (so active adapters apply). Prompt-learning adapters live outside it: refused."""
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
-        adapter = model.peft_config[model.active_adapter]
+        peft_model = cast(Any, model)
+        adapter = peft_model.peft_config[peft_model.active_adapter]
         if adapter.is_prompt_learning:
             raise ValueError(f"ContbatchGRPOTrainer does not support prompt-learning PEFT adapters "
                              f"({adapter.peft_type}): their virtual tokens are not part of the model's forward")
-        return model.get_base_model()
+        return peft_model.get_base_model()
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"ContbatchGRPOTrainer needs a transformers model, got {type(model).__name__}")
     return model
