@@ -19,6 +19,7 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEn
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.integrations.trl import ContbatchGRPOTrainer, benchmark
 from contbatch.integrations.trl.gsm8k import numeric_answer_reward
+from contbatch.integrations.trl.trainer import _collect
 
 PROMPTS = ["What is 2 + 3?", "Name a colour.", "Count to three.", "Say hello."]
 
@@ -209,6 +210,21 @@ def test_a_failed_completion_raises_naming_it_and_leaves_the_engine_clean(
         assert not engine.requests and engine.block_pool.is_whole
     finally:
         trainer.close_contbatch()
+
+
+def test_a_cancelled_completion_raises_instead_of_reaching_the_loss(tokenizer: PreTrainedTokenizerBase) -> None:
+    """A request cancelled before its completion (generation stopped from another thread) is an error, not a
+    cut-short completion to train on. Submitted before the engine starts, the cancellation comes first."""
+    manager = ContinuousBatchingManager(tiny_policy(tokenizer), None,
+                                        ContinuousBatchingConfig(block_size=8, num_blocks=64))
+    request_id = manager.add_request([5, 6, 7], request_id="grpo-0-0", max_new_tokens=8)
+    manager.cancel_request(request_id)
+    manager.start()
+    try:
+        with pytest.raises(RuntimeError, match="'grpo-0-0' ended CANCELLED"):
+            _collect(manager, {request_id: 0})
+    finally:
+        manager.stop()
 
 
 @pytest.mark.parametrize("kind", ["contbatch", "generate"])

@@ -158,8 +158,8 @@ class ContbatchGRPOTrainer(GRPOTrainer):
 
 
 def _collect(manager: ContinuousBatchingManager, sample_of: dict[str, int]) -> list[GenerationOutput]:
-    """The final output of every request of `sample_of`, placed at its index; raises RuntimeError naming a failed
-    request."""
+    """The final output of every request of `sample_of`, placed at its index; raises RuntimeError naming a request
+    that failed or was cancelled (a cut-short completion must not be trained on)."""
     outputs: list[GenerationOutput | None] = [None] * len(sample_of)
     for request_id, index in sample_of.items():
         output = manager.get_result(request_id)
@@ -167,6 +167,8 @@ def _collect(manager: ContinuousBatchingManager, sample_of: dict[str, int]) -> l
             raise RuntimeError("contbatch stopped before every completion was generated")
         if output.status == RequestStatus.FAILED:
             raise RuntimeError(f"contbatch failed request {request_id!r}: {output.error}")
+        if output.status != RequestStatus.FINISHED:
+            raise RuntimeError(f"contbatch request {request_id!r} ended {output.status.name} before its completion")
         outputs[index] = output
     return [output for output in outputs if output is not None]
 
