@@ -221,7 +221,7 @@ class SamplingParams:
         given = _normalise(overrides)
         if config is not None:
             lengths: dict[str, Any] = {"max_new_tokens": config.max_new_tokens or base.max_new_tokens,
-                       "min_tokens": config.min_new_tokens or 0}
+                                       "min_tokens": config.min_new_tokens or 0}
             if num_prompt_tokens is not None:
                 lengths = {"min_tokens": min_new_tokens_for(config, num_prompt_tokens),
                            "max_new_tokens": given["max_new_tokens"] if "max_new_tokens" in given
