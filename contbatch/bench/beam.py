@@ -10,12 +10,14 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.bench.throughput import BenchResult, static_batch
+from contbatch.bench.throughput import BenchResult, pad_or_first_eos, static_batch
 
 
-def beam_config(num_beams: int, max_new_tokens: int, eos: int | list[int], pad: int) -> GenerationConfig:
+def beam_config(num_beams: int, max_new_tokens: int, eos: int | list[int], pad: int | None) -> GenerationConfig:
+    """The benchmark's beam search; `pad` None pads with the first EOS id (`pad_or_first_eos`)."""
     return GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=eos, pad_token_id=pad, early_stopping=False, length_penalty=1.0)
+                            eos_token_id=eos, pad_token_id=pad_or_first_eos(pad, eos), early_stopping=False,
+                            length_penalty=1.0)
 
 
 def run_beam(model: PreTrainedModel, inputs: list[list[int]], config: GenerationConfig,

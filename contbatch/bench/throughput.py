@@ -78,6 +78,15 @@ def _first_eos(eos_token_id: EosTokenId) -> int | None:
     return int(eos[0]) if eos else None
 
 
+def pad_or_first_eos(pad_token_id: int | None, eos_token_id: EosTokenId) -> int:
+    """`pad_token_id`, else the first EOS id: what `generate`'s padded batches pad with. ValueError when the model
+    has neither."""
+    pad = pad_token_id if pad_token_id is not None else _first_eos(eos_token_id)
+    if pad is None:
+        raise ValueError("generate pads its batches: the model has neither a pad nor an EOS token id")
+    return pad
+
+
 def _greedy_config(max_new_tokens: int, eos_token_id: EosTokenId, pad_token_id: int | None) -> GenerationConfig:
     eos = eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id)
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad_token_id)
@@ -207,9 +216,7 @@ def run_static_generate(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    pad_token_id = pad_token_id if pad_token_id is not None else _first_eos(eos_token_id)
-    if pad_token_id is None:
-        raise ValueError("static generate pads its batches: the model has neither a pad nor an EOS token id")
+    pad_token_id = pad_or_first_eos(pad_token_id, eos_token_id)
     model.eval()
     config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
     warmup_config = _greedy_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)

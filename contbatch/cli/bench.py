@@ -171,8 +171,7 @@ def _bench_workload(args: argparse.Namespace) -> int:
                  f"greedy, max_new_tokens={args.max_new_tokens}")
     elif args.workload == "beam":
         inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
-        pad = model.generation_config.pad_token_id
-        config = beam.beam_config(args.num_beams, args.max_new_tokens, eos, eos if pad is None else pad)
+        config = beam.beam_config(args.num_beams, args.max_new_tokens, eos, model.generation_config.pad_token_id)
         results, agree = beam.run_beam(model, inputs, config, engine_config(args), args.static_batch_size)
         lines = [f"best sequences equal to generate's: {agree} of {len(inputs)}"]
         title = (f"{len(inputs)} GSM8K prompts, beam search (num_beams={args.num_beams}, the best sequence "
