@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -20,6 +22,7 @@ from transformers import (
 )
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
+from contbatch.engine.outputs import RequestDelta
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput
 
@@ -38,24 +41,28 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "gemma2-softcap": lambda: Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=6, **_COMMON),
 }
 
-_MODELS: dict[str, PreTrainedModel] = {}
+_MODELS: dict[tuple[str, torch.device], PreTrainedModel] = {}
+# The device tiny models are built on: `CONTBATCH_TEST_DEVICE=cuda` runs the parity suites on a GPU.
+TEST_DEVICE = torch.device(os.environ.get("CONTBATCH_TEST_DEVICE", "cpu"))
 
 
-def tiny_model(name: str) -> PreTrainedModel:
-    """A tiny random model of family `name`, built once per test session (seeded, float32, eval mode). Shared:
-    a test that changes its weights or attaches state to it takes `fresh_tiny_model` instead."""
-    if name not in _MODELS:
-        _MODELS[name] = fresh_tiny_model(name)
-    return _MODELS[name]
+def tiny_model(name: str, device: str | None = None) -> PreTrainedModel:
+    """A tiny random model of family `name` on `device` (default `TEST_DEVICE`; a test of CPU-only behaviour
+    names "cpu"), built once per test session (seeded, float32, eval mode). Shared: a test that changes its
+    weights or attaches state to it takes `fresh_tiny_model` instead."""
+    key = (name, torch.device(device) if device else TEST_DEVICE)
+    if key not in _MODELS:
+        _MODELS[key] = fresh_tiny_model(name, device)
+    return _MODELS[key]
 
 
-def fresh_tiny_model(name: str) -> PreTrainedModel:
-    """A new instance of `tiny_model(name)` (same seed, same weights), for the test alone."""
+def fresh_tiny_model(name: str, device: str | None = None) -> PreTrainedModel:
+    """A new instance of `tiny_model(name, device)` (same seed, same weights), for the test alone."""
     torch.manual_seed(1234)
     attention = "eager" if name.startswith("gemma2") else "sdpa"  # Gemma 2 has no SDPA path in transformers
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation=attention)
     model.generation_config.eos_token_id = None  # tests choose their EOS explicitly
-    return model.eval()
+    return model.to(device or TEST_DEVICE).eval()
 
 
 @pytest.fixture(params=sorted(TINY_CONFIGS))
@@ -68,22 +75,24 @@ def random_prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
 
 
-_REFERENCES: dict[tuple, list[int]] = {}
+# By model object, not id(): a model freed by one test must not lend its references to a new one at its address.
+_REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, list[int]]] = weakref.WeakKeyDictionary()
 
 
 def reference_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int,
                        eos_token_id: int | None = None) -> list[int]:
     """Greedy `model.generate` on the prompt alone (no padding), the ground truth of every parity test."""
-    key = (id(model), tuple(prompt), max_new_tokens, eos_token_id)
-    if key not in _REFERENCES:
+    references = _REFERENCES.setdefault(model, {})
+    key = (tuple(prompt), max_new_tokens, eos_token_id)
+    if key not in references:
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                                   pad_token_id=0)
         with torch.inference_mode():
             output = model.generate(torch.tensor([prompt], device=model.device),
                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
                                     generation_config=config)
-        _REFERENCES[key] = output[0, len(prompt):].tolist()
-    return _REFERENCES[key]
+        references[key] = output[0, len(prompt):].tolist()
+    return references[key]
 
 
 def run_engine(engine: LLMEngine) -> dict[str, GenerationOutput]:
@@ -95,6 +104,16 @@ def run_engine(engine: LLMEngine) -> dict[str, GenerationOutput]:
     engine.check_integrity()
     assert engine.block_pool.is_whole
     return collector.finished
+
+
+def next_deltas(engine: LLMEngine, max_steps: int = 3) -> list[RequestDelta]:
+    """The deltas of the first of at most `max_steps` steps that returns any (with async batching a step's deltas
+    come with the next `step`)."""
+    for _ in range(max_steps):
+        deltas = engine.step()
+        if deltas:
+            return deltas
+    raise AssertionError(f"{max_steps} steps returned no delta")
 
 
 def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:

@@ -55,9 +55,9 @@ def test_logprobs_equal_log_softmax_of_the_models_own_logits() -> None:
     prompt = random_prompts([11], seed=22)[0]
     config = ContinuousBatchingConfig(block_size=4, num_blocks=64, return_logprobs=True)
     output = generate_batch(model, [prompt], GREEDY, config, progress_bar=False)["req_0"]
-    sequence = torch.tensor([prompt + output.generated_tokens])
+    sequence = torch.tensor([prompt + output.generated_tokens], device=model.device)
     with torch.inference_mode():
-        logits = model(sequence).logits[0]
+        logits = model(sequence).logits[0].cpu()
     expected = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1]
     expected = expected.gather(1, torch.tensor(output.generated_tokens).unsqueeze(1)).squeeze(1)
     assert output.logprobs is not None and len(output.logprobs) == 5

@@ -1,4 +1,5 @@
-"""Fork as an engine operation: at any point of a request, sharing its blocks copy-on-write."""
+"""Fork as an engine operation: at any point of a request, sharing its blocks copy-on-write. The engines step
+synchronously (as on a CPU), so the tests can read a parent's sequence and block tables between steps."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_fork_during_decode_shares_blocks_and_continues_exactly(model_name: str)
     model = tiny_model(model_name)
     prompt = random_prompts([10], seed=80)[0]
     expected = reference_generate(model, prompt, 12)
-    with make_engine(model, block_size=4, num_blocks=64) as engine:
+    with make_engine(model, block_size=4, num_blocks=64, use_async_batching=False) as engine:
         engine.add_request(prompt, request_id="parent", max_new_tokens=12)
         collector = OutputCollector()
         step_until(engine, collector, "parent", 5)
@@ -46,7 +47,8 @@ def test_fork_during_decode_shares_blocks_and_continues_exactly(model_name: str)
 def test_fork_of_a_preempted_request_recomputes_its_sequence() -> None:
     model = tiny_model("qwen3")
     prompts = random_prompts([3, 8], seed=81)
-    with make_engine(model, block_size=4, num_blocks=4, max_batch_tokens=64) as engine:
+    with make_engine(model, block_size=4, num_blocks=4, max_batch_tokens=64,
+                     use_async_batching=False) as engine:
         engine.add_request(prompts[0], request_id="old", max_new_tokens=6)
         engine.add_request(prompts[1], request_id="new", max_new_tokens=6)
         collector = OutputCollector()

@@ -138,10 +138,11 @@ def _penalised_reference(model: PreTrainedModel, prompt: list[int], steps: int, 
     tokens = list(prompt)
     with torch.inference_mode():
         for _ in range(steps):
-            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            logits = model(torch.tensor([tokens], device=model.device)).logits[0, -1].float()
             for token, value in bias.items():
                 logits[token] += value
-            counts = torch.bincount(torch.tensor(tokens[len(prompt):], dtype=torch.long), minlength=logits.numel())
+            counts = torch.bincount(torch.tensor(tokens[len(prompt):], dtype=torch.long, device=model.device),
+                                    minlength=logits.numel())
             logits = logits - frequency * counts - presence * (counts > 0).float()
             tokens.append(int(logits.argmax()))
     return tokens[len(prompt):]

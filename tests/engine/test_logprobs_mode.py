@@ -60,8 +60,8 @@ def processed_reference(logits: torch.Tensor, settings: dict[str, Any]) -> torch
 def reference_logits(reference: PreTrainedModel, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """[len(generated), vocab]: the logits that predicted each generated token, from one plain forward."""
     with torch.inference_mode():
-        logits = reference(torch.tensor([prompt + generated]), use_cache=False).logits[0]
-    return logits[len(prompt) - 1:-1].float()
+        logits = reference(torch.tensor([prompt + generated], device=reference.device), use_cache=False).logits[0]
+    return logits[len(prompt) - 1:-1].float().cpu()
 
 
 def at_tokens(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache, trim_host_heap
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import make_engine, next_deltas, random_prompts, reference_generate, run_engine, tiny_model
 
 MiB = 1 << 20
 # tiny llama: 2 layers x 2 KV heads x 16 dims x float32 x (K, V) = 512 bytes a token; 8192 x 64 tokens = 256 MiB
@@ -44,7 +44,7 @@ def test_paged_cache_release_and_allocate_keep_shape_dtype_and_device() -> None:
 
 
 def test_sleep_gives_the_cache_memory_back_and_a_new_request_takes_it_again() -> None:
-    model = tiny_model("llama")
+    model = tiny_model("llama", "cpu")  # host memory, measured as resident pages
     prompt = random_prompts([20], seed=70)[0]
     with make_engine(model, **LARGE_CACHE) as engine:
         cache = engine.cache
@@ -97,7 +97,7 @@ def test_sleep_refuses_while_requests_are_unfinished_and_they_complete() -> None
     running, waiting = random_prompts([12, 9], seed=72)
     with make_engine(model, block_size=8, num_blocks=64) as engine:
         engine.add_request(running, "running", max_new_tokens=6)
-        (first,) = engine.step()
+        (first,) = next_deltas(engine)
         engine.add_request(waiting, "waiting", max_new_tokens=4)
         with pytest.raises(RuntimeError, match="2 unfinished request"):
             engine.sleep()

@@ -48,7 +48,7 @@ def test_deltas_are_values_with_the_lifecycle_events_of_each_request() -> None:
 def test_preemption_is_an_event_and_the_tokens_stay_exact() -> None:
     model = tiny_model("qwen3")
     prompts = random_prompts([3, 8], seed=71)
-    with make_engine(model, block_size=4, num_blocks=4, max_batch_tokens=64) as engine:
+    with make_engine(model, block_size=4, num_blocks=4, max_batch_tokens=64, use_async_batching=False) as engine:
         engine.add_request(prompts[0], request_id="old", max_new_tokens=6)
         engine.add_request(prompts[1], request_id="new", max_new_tokens=6)
         collector, deltas = OutputCollector(), []
@@ -64,7 +64,7 @@ def test_preemption_is_an_event_and_the_tokens_stay_exact() -> None:
 
 
 def test_cancel_returns_the_final_delta() -> None:
-    with make_engine(tiny_model("llama"), block_size=4, num_blocks=16) as engine:
+    with make_engine(tiny_model("llama"), block_size=4, num_blocks=16, use_async_batching=False) as engine:
         engine.add_request([5, 6, 7], request_id="c", max_new_tokens=4)
         engine.step()
         delta = engine.cancel_request("c")
