@@ -169,7 +169,7 @@ def paged_attention_for_layer(
     if len(metadata.groups) == 1 and metadata.groups[0].whole_batch:
         return _attend_group(metadata.groups[0], cache_group, queries, metadata.cache, layer, sliding_window,
                              scaling, softcap).unsqueeze(0)
-    output = torch.empty_like(queries)
+    output = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)  # contiguous, as the op's fake
     for group in metadata.groups:
         attended = _attend_group(group, cache_group, queries, metadata.cache, layer, sliding_window, scaling,
                                  softcap)

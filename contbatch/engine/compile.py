@@ -56,8 +56,9 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     metadata = getattr(_step, "metadata", None)
     if metadata is None:
         raise RuntimeError("contbatch::paged_attention ran outside a contbatch step")
-    return paged_attention_for_layer(layer, query, key, value, metadata, scaling, sliding_window or None,
-                                     softcap or None)
+    output = paged_attention_for_layer(layer, query, key, value, metadata, scaling, sliding_window or None,
+                                       softcap or None)
+    return output.contiguous()  # the strides the fake promises, whatever layout an attention kernel returned
 
 
 def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,

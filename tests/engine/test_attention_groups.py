@@ -81,3 +81,31 @@ def test_a_step_of_one_unpadded_group_attends_without_gather() -> None:
     output is the group's); a padded group does not."""
     assert _groups_of_each_step([20, 21]) == [([20, 21], [False]), ([1, 1], [True]), ([1, 1], [True])]
     assert _groups_of_each_step([12]) == [([12], [True]), ([1], [True]), ([1], [True])]
+
+
+def test_attention_output_is_contiguous_in_steps_of_several_groups(monkeypatch: Any) -> None:
+    """The compiled op's fake promises a contiguous [1, tokens, heads, head_dim]: every step's output has it,
+    those that scatter several groups' outputs included (inductor asserts the strides). The query comes in
+    contiguous as [1, heads, tokens, head_dim], as it does on a GPU (a CPU forward hands over a transposed
+    view of [tokens, heads, head_dim])."""
+    from contbatch.engine import attention
+
+    real = attention.paged_attention_for_layer
+    groups_seen: list[int] = []
+
+    def checked(*args: Any, **kwargs: Any) -> torch.Tensor:
+        layer, query, *rest = args
+        output = real(layer, query.contiguous(), *rest, **kwargs)
+        groups_seen.append(len(rest[2].groups))
+        assert output.is_contiguous(), output.stride()
+        return output
+
+    monkeypatch.setattr(attention, "paged_attention_for_layer", checked)
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 40, 7, 25], seed=31)
+    outputs = generate_batch(model, prompts, GenerationConfig(do_sample=False, eos_token_id=None),
+                             ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=32),
+                             progress_bar=False, max_new_tokens=5)
+    assert max(groups_seen) > 1
+    for prompt, output in zip(prompts, outputs.values(), strict=True):
+        assert output.generated_tokens == reference_generate(model, prompt, 5)
