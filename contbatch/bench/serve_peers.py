@@ -57,6 +57,7 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
                    *_given(args, ("model", "threads", *_CACHE_FLAGS), "--"),
                    *_compile_flag(getattr(args, "compile", None)),
                    "--async-batching", getattr(args, "async_batching", "auto"),
+                   "--cuda-graphs", getattr(args, "cuda_graphs", "auto"),
                    "--dtype", getattr(args, "dtype", "auto")]
         return PeerSpec(name, command, env, BENCH_MODEL_ID)
     model_dir = _local_model_dir(args)

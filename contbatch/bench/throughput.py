@@ -143,13 +143,16 @@ def run_transformers_generate_batch(
     inputs: list[list[int]],
     max_new_tokens: int,
     eos_token_id: EosTokenId,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> BenchResult:
     """Run the workload through transformers' own continuous batching (`model.generate_batch`).
 
-    A path is loaded as a separate float32 model instance with attention implementation
-    `CB_ATTN_IMPLEMENTATION`; a model instance is used as is (generate_batch switches eager attention to
-    "paged|eager" itself). `generate_batch` runs in its default continuous-batching configuration; each call
-    builds (and frees) its own paged cache, whose set-up (~3 s on a CPU) is part of the timed call.
+    A path is loaded as a separate model instance in `dtype` on `device` (those of the engine it is compared
+    with) with attention implementation `CB_ATTN_IMPLEMENTATION`; a model instance is used as is (generate_batch
+    switches eager attention to "paged|eager" itself). `generate_batch` runs in its default continuous-batching
+    configuration; each call builds (and frees) its own paged cache, whose set-up (~3 s on a CPU) is part of the
+    timed call.
 
     Raises:
         RuntimeError: a request failed or is missing from generate_batch's results (it logs, not raises).
@@ -157,8 +160,9 @@ def run_transformers_generate_batch(
     model: PreTrainedModel
     if isinstance(model_dir_or_model, str | Path):
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir_or_model, dtype=torch.float32, attn_implementation=CB_ATTN_IMPLEMENTATION, local_files_only=True
+            model_dir_or_model, dtype=dtype, attn_implementation=CB_ATTN_IMPLEMENTATION, local_files_only=True
         )
+        cast(torch.nn.Module, model).to(device)
     else:
         model = model_dir_or_model
     model.eval()

@@ -148,7 +148,7 @@ def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTraine
         return vllm_run.result
     if name == "transformers":
         return throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
-                                                          args.max_new_tokens, eos)
+                                                          args.max_new_tokens, eos, model.dtype, model.device)
     return throughput.run_static_generate(model, inputs, args.max_new_tokens, eos, pad, args.static_batch_size)
 
 

@@ -11,13 +11,13 @@ from contbatch.engine.config import SCHEDULER_TYPES
 
 # Prefix caching shares whole blocks: with 256-token blocks a 200-token system prompt is never shared.
 CLI_BLOCK_SIZE = 16
-ASYNC_BATCHING = {"auto": None, "on": True, "off": False}
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags to `parser`: `--model`, `--dtype`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
-    `--scheduler`, `--threads`, `--compile` and `--async-batching`."""
+    `--scheduler`, `--threads`, `--compile`, `--async-batching` and `--cuda-graphs`."""
     parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
@@ -36,9 +36,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile the forward (use_default_compile_configs: inductor, dynamic shapes); "
                         "the first steps pay the compile time (default: off; `contbatch serve` on CPU: on, "
                         "compiled before it listens)")
-    parser.add_argument("--async-batching", choices=tuple(ASYNC_BATCHING), default="auto",
-                        help="use_async_batching: prepare the next step while the forward runs (auto: on with "
-                        "CUDA graphs)")
+    parser.add_argument("--async-batching", choices=tuple(AUTO_ON_OFF), default="auto",
+                        help="use_async_batching: prepare the next step while the forward runs (auto: off, "
+                        "measured slower on a GPU and no faster on a CPU)")
+    parser.add_argument("--cuda-graphs", choices=tuple(AUTO_ON_OFF), default="auto",
+                        help="use_cuda_graph: replay decode steps from captured CUDA graphs (auto: on for a model "
+                        "on a CUDA device)")
 
 
 def model_dtype(args: argparse.Namespace) -> torch.dtype | None:
@@ -50,5 +53,6 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine configuration named by the engine flags of `args` (see `add_engine_flags`)."""
     values = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_batch_tokens": args.max_batch_tokens,
               "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", None),
-              "use_async_batching": ASYNC_BATCHING[getattr(args, "async_batching", "auto")]}
+              "use_async_batching": AUTO_ON_OFF[getattr(args, "async_batching", "auto")],
+              "use_cuda_graph": AUTO_ON_OFF[getattr(args, "cuda_graphs", "auto")]}
     return ContinuousBatchingConfig.from_sources(None, values)

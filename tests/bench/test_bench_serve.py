@@ -142,11 +142,13 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     joined = " ".join(contbatch.command)
     assert "--port 9001" in joined and "--block-size 16" in joined and "--max-batch-tokens 128" in joined
     assert "--num-blocks" not in joined and "--compile" not in joined and "--async-batching auto" in joined
-    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile", "--async-batching", "on", "--dtype",
-                                                              "bfloat16"), 9001)
-    assert compiled.command[-5:] == ["--compile", "--async-batching", "on", "--dtype", "bfloat16"]
+    compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile", "--async-batching", "on", "--cuda-graphs",
+                                                              "off", "--dtype", "bfloat16"), 9001)
+    assert compiled.command[-7:] == ["--compile", "--async-batching", "on", "--cuda-graphs", "off", "--dtype",
+                                     "bfloat16"]
     served = build_parser().parse_args(["serve", *compiled.command[4:]])
     assert engine_config(served).use_async_batching is True and engine_config(served).use_default_compile_configs
+    assert engine_config(served).use_cuda_graph is False and engine_config(args).use_cuda_graph is None
     assert model_dtype(served) is torch.bfloat16 and model_dtype(args) is None
     eager = bench_serve.peer_spec("contbatch", _bench_args("--no-compile"), 9001)
     assert eager.command.count("--no-compile") == 1 and "--compile" not in eager.command
