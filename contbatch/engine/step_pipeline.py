@@ -191,12 +191,11 @@ class StepPipeline:
                                          f"request {request.request_id!r} cannot fit in the KV cache even alone")
 
 
-def resolve_async_batching(use_async_batching: bool | None, model_runner: ModelRunner) -> bool:
-    """`ContinuousBatchingConfig.use_async_batching`: True or False as set; None (auto) turns it on where the
-    steps replay CUDA graphs (as transformers does: host work is then what the device waits for)."""
-    if use_async_batching is None:
-        return model_runner.graphs is not None
-    return use_async_batching
+def resolve_async_batching(use_async_batching: bool | None) -> bool:
+    """`ContinuousBatchingConfig.use_async_batching`: True or False as set; None (auto) is off, where it measured
+    slower or no faster: on an H100 with decode graphs, 9.6-11.2k against 13.0-16.1k generated tok/s (the forward
+    thread and the scheduling thread take turns at the GIL); on a CPU no faster (its host work is ~2% of a step)."""
+    return use_async_batching is True
 
 
 def _forward_thread_setup(num_threads: int, device: torch.device) -> None:
