@@ -36,8 +36,8 @@ class ContinuousBatchingConfig:
         q_padding_interval_size: a graph's batch is padded to a multiple of this many requests (0: 8).
         kv_padding_interval_size: a graph's key range is padded to a multiple of this many tokens (0: 256).
         max_cached_graphs: captured graphs kept, least recently used dropped first (0: 64).
-        use_async_batching: schedule and prepare step N+1 on the host while step N's forward runs on a worker
-            thread, carrying the tokens N samples into N+1 (`contbatch.engine.step_pipeline`); outputs are the
+        use_async_batching: schedule and prepare step N+1 on the host while step N's forward runs (on a worker
+            thread on a CPU; on a GPU its launched kernels), carrying the tokens N samples into N+1 (`contbatch.engine.step_pipeline`); outputs are the
             synchronous engine's. None: off, on a GPU as on a CPU: with decode graphs on an H100 it measured
             slower (the two threads take turns at the GIL), and on a CPU, where the host work it hides is about
             2% of a step, no faster.

@@ -14,7 +14,7 @@ from contbatch.engine.cuda_graphs import DecodeGraphs, EagerReplay, GraphSetting
 from contbatch.engine.model_runner import PreparedBatch
 from contbatch.engine.outputs import EventType
 from contbatch.engine.request import RequestStatus
-from contbatch.engine.step_pipeline import resolve_async_batching
+from contbatch.engine.step_pipeline import ForwardWorker, StepPipeline, resolve_async_batching
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput
 from tests.conftest import add_samples, make_engine, random_prompts, reference_generate, run_engine, tiny_model
@@ -51,11 +51,17 @@ def _run(engine: LLMEngine, prompts: list[list[int]], eos: int | None = None, pr
     return collector.finished
 
 
+def _forwards_inline(engine: LLMEngine, inline: bool) -> None:
+    """Runs the engine's forwards on the engine thread (`inline`, a CUDA model's default) or on the worker."""
+    engine.pipeline._worker = ForwardWorker(inline=inline)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["worker-thread", "inline"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS)
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding", "gemma3-hybrid"])
-def test_greedy_matches_generate(name: str, config: dict) -> None:
+def test_greedy_matches_generate(name: str, config: dict, inline: bool) -> None:
     """Chunked prefills, preemption, sliding windows, and requests stopping on EOS while the next step (which
-    computes a token of theirs for nothing) is in flight."""
+    computes a token of theirs for nothing) is in flight; forwards on the worker thread or launched inline."""
     model = tiny_model(name)
     prompts = random_prompts(LENGTHS, seed=21)
     eos = _stop_token(name, prompts)
@@ -65,7 +71,9 @@ def test_greedy_matches_generate(name: str, config: dict) -> None:
     preempted: set[str] = set()
     with make_engine(model, use_async_batching=True, **config) as engine:
         assert engine.async_batching
+        _forwards_inline(engine, inline)
         finished = _run(engine, prompts, eos, preempted)
+        assert (engine.pipeline._worker._executor is None) == inline, "inline starts no thread"
     assert bool(preempted) or not tight, "the tight cache preempts requests (never one in flight)"
     for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
         expected = reference_generate(model, prompt, max_new, eos_token_id=eos)
@@ -187,10 +195,12 @@ def test_cancel_while_in_flight_fails_nothing_else_and_leaks_nothing() -> None:
             assert outputs[f"r{index}"].generated_tokens == reference_generate(model, prompt, 10), f"r{index}"
 
 
-def test_a_failing_forward_fails_its_own_requests_and_the_engine_goes_on() -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["worker-thread", "inline"])
+def test_a_failing_forward_fails_its_own_requests_and_the_engine_goes_on(inline: bool) -> None:
     model = tiny_model("llama")
     prompts = random_prompts([5, 6], seed=25)
     with make_engine(model, use_async_batching=True, block_size=4, num_blocks=200) as engine:
+        _forwards_inline(engine, inline)
         engine.add_request(prompts[0], "bad", max_new_tokens=6)
         execute = engine.model_runner.execute
 
@@ -249,6 +259,15 @@ def test_beam_search_runs_synchronously_under_async_batching() -> None:
             engine.add_request(prompt, "b", max_new_tokens=5, num_beams=3)
             results.append(run_engine(engine)["b"].generated_tokens)
     assert results[0] == results[1]
+
+
+def test_forwards_are_launched_inline_for_a_cuda_model_and_on_a_thread_on_a_cpu(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    with make_engine(tiny_model("llama", "cpu"), use_async_batching=True) as engine:
+        assert not engine.pipeline._worker.inline
+        monkeypatch.setattr(engine.model_runner, "device", torch.device("cuda"))
+        pipeline = StepPipeline(engine.scheduler, engine.model_runner, engine.beam_search, engine.block_pool, True)
+        assert pipeline._worker.inline
 
 
 def test_async_batching_is_off_unless_asked_for() -> None:
