@@ -60,7 +60,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--engines", default="graphs,eager,transformers,static",
-                        help="comma-separated subset of graphs,eager,compiled-graphs,transformers,static")
+                        help="comma-separated subset of graphs,graphs-async,eager,compiled-graphs,transformers,"
+                        "static (an engine may repeat, to interleave runs)")
     args = parser.parse_args()
     inputs = json.loads(Path(args.prompts).read_text())[: args.num_prompts]
     model = build_model(args.shape, getattr(torch, args.dtype))
@@ -69,12 +70,14 @@ def main() -> None:
           f"{len(inputs)} prompts ({sum(map(len, inputs))} tokens), {args.max_new_tokens} new tokens each", flush=True)
     rows, outputs = [], {}
     for engine in args.engines.split(","):
-        if engine in ("graphs", "eager", "compiled-graphs"):
+        if engine in ("graphs", "graphs-async", "eager", "compiled-graphs"):
             config = replace(base, use_cuda_graph=engine != "eager",
-                             use_default_compile_configs=engine == "compiled-graphs")
+                             use_default_compile_configs=engine == "compiled-graphs",
+                             use_async_batching=engine == "graphs-async")
             wall, outputs[engine] = run_contbatch(model, inputs, args.max_new_tokens, config)
             name = f"contbatch, decode CUDA graphs {'off' if engine == 'eager' else 'on'}"
             name += ", torch.compile" if engine == "compiled-graphs" else ""
+            name += ", async batching" if engine == "graphs-async" else ""
             generated = sum(map(len, outputs[engine]))
         elif engine == "transformers":
             result = run_transformers_generate_batch(model, inputs, args.max_new_tokens, None)
@@ -88,7 +91,7 @@ def main() -> None:
     print("\n| engine | wall s | generated tok/s | ratio to first |\n|---|---:|---:|---:|")
     for name, wall, rate in rows:
         print(f"| {name} | {wall:.2f} | {rate:.0f} | {rate / reference:.2f} |")
-    for engine in ("graphs", "compiled-graphs"):
+    for engine in ("graphs", "graphs-async", "compiled-graphs"):
         if engine in outputs and "eager" in outputs:
             same = sum(a == b for a, b in zip(outputs[engine], outputs["eager"], strict=True))
             print(f"\ngreedy outputs, {engine} vs eager: {same}/{len(inputs)} identical")
