@@ -20,9 +20,9 @@ from contbatch.api import generate_batch
 
 EosTokenId = int | Sequence[int] | None
 
-# The spelling transformers documents for its continuous batching; 5.23 warns that the prefix is no longer
-# needed and runs it as plain "sdpa".
-CB_ATTN_IMPLEMENTATION = "paged|sdpa"
+# transformers' generate_batch pages SDPA itself: 5.23 warns that the "paged|" prefix its docs spell is no longer
+# needed except for eager (and will go), and runs "paged|sdpa" as plain "sdpa" (same tokens, checked).
+CB_ATTN_IMPLEMENTATION = "sdpa"
 
 _WARMUP_PROMPTS = 2
 _WARMUP_NEW_TOKENS = 4
