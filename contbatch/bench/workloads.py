@@ -62,7 +62,7 @@ def run_prefix_caching(model: PreTrainedModel, inputs: list[list[int]], max_new_
 def run_grpo(model: PreTrainedModel, model_dir: str, inputs: list[list[int]], samples: int, max_new_tokens: int,
              eos: int, config: ContinuousBatchingConfig, peers: bool) -> list[BenchResult]:
     """`samples` sampled completions (temperature 1.0) per prompt, through contbatch and, with `peers`,
-    transformers' `generate_batch` (`num_return_sequences`)."""
+    transformers' `generate_batch` (`num_return_sequences`) on a second instance in `model`'s dtype and device."""
     generation = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                   pad_token_id=eos, num_return_sequences=samples)
     prompt_tokens = samples * sum(map(len, inputs))
@@ -73,8 +73,8 @@ def run_grpo(model: PreTrainedModel, model_dir: str, inputs: list[list[int]], sa
     results = [BenchResult("contbatch", time.perf_counter() - start,
                            sum(len(o.generated_tokens) for o in outputs.values()), prompt_tokens)]
     if peers:
-        peer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                    attn_implementation=CB_ATTN_IMPLEMENTATION).eval()
+        peer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.dtype,
+                                                    attn_implementation=CB_ATTN_IMPLEMENTATION).to(model.device).eval()
         warmup = GenerationConfig(**{**generation.to_diff_dict(), "max_new_tokens": 2})
         peer.generate_batch(inputs=inputs[:1], generation_config=warmup, progress_bar=False)
         start = time.perf_counter()
