@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -74,7 +75,8 @@ def run_grpo(model: PreTrainedModel, model_dir: str, inputs: list[list[int]], sa
                            sum(len(o.generated_tokens) for o in outputs.values()), prompt_tokens)]
     if peers:
         peer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.dtype,
-                                                    attn_implementation=CB_ATTN_IMPLEMENTATION).to(model.device).eval()
+                                                    attn_implementation=CB_ATTN_IMPLEMENTATION).eval()
+        cast(torch.nn.Module, peer).to(model.device)
         warmup = GenerationConfig(**{**generation.to_diff_dict(), "max_new_tokens": 2})
         peer.generate_batch(inputs=inputs[:1], generation_config=warmup, progress_bar=False)
         start = time.perf_counter()
