@@ -22,7 +22,6 @@ from transformers import (
 )
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
-from contbatch.engine.outputs import RequestDelta
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput
 
@@ -104,16 +103,6 @@ def run_engine(engine: LLMEngine) -> dict[str, GenerationOutput]:
     engine.check_integrity()
     assert engine.block_pool.is_whole
     return collector.finished
-
-
-def next_deltas(engine: LLMEngine, max_steps: int = 3) -> list[RequestDelta]:
-    """The deltas of the first of at most `max_steps` steps that returns any (with async batching a step's deltas
-    come with the next `step`)."""
-    for _ in range(max_steps):
-        deltas = engine.step()
-        if deltas:
-            return deltas
-    raise AssertionError(f"{max_steps} steps returned no delta")
 
 
 def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:

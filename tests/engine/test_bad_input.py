@@ -7,15 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, RequestStatus, generate_batch
-from tests.conftest import (
-    VOCAB,
-    make_engine,
-    next_deltas,
-    random_prompts,
-    reference_generate,
-    run_engine,
-    tiny_model,
-)
+from tests.conftest import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -111,7 +103,7 @@ def test_a_failing_forward_fails_its_batch_and_the_engine_keeps_serving(monkeypa
             raise RuntimeError("boom")
 
         monkeypatch.setattr(engine.model_runner, "execute", broken)
-        failed = next_deltas(engine)
+        failed = engine.step()
         assert {r.request_id for r in failed} == {"a", "b"}
         assert all(r.status == RequestStatus.FAILED and r.error == "RuntimeError: boom" for r in failed)
         assert engine.block_pool.is_whole

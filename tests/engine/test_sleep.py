@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache, trim_host_heap
-from tests.conftest import make_engine, next_deltas, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 MiB = 1 << 20
 # tiny llama: 2 layers x 2 KV heads x 16 dims x float32 x (K, V) = 512 bytes a token; 8192 x 64 tokens = 256 MiB
@@ -97,7 +97,7 @@ def test_sleep_refuses_while_requests_are_unfinished_and_they_complete() -> None
     running, waiting = random_prompts([12, 9], seed=72)
     with make_engine(model, block_size=8, num_blocks=64) as engine:
         engine.add_request(running, "running", max_new_tokens=6)
-        (first,) = next_deltas(engine)
+        (first,) = engine.step()
         engine.add_request(waiting, "waiting", max_new_tokens=4)
         with pytest.raises(RuntimeError, match="2 unfinished request"):
             engine.sleep()
