@@ -20,13 +20,24 @@ class BlockPool:
 
     Order: `allocate` takes plain free blocks first, from the front of the free queue, where `free` puts blocks
     back (the most recently freed are reused first, keeping the touched memory close to its peak). Only when no
-    plain block is left does it evict cached blocks, least recently used first.
+    plain block is left does it evict cached blocks, least recently used first. Blocks never handed out wait at
+    the back of the queue in id order: the ids below `num_touched` are exactly those handed out at least once.
+
+    `touch_limit` is for a cache whose memory is committed as it is first written (a CPU tensor): once
+    `num_touched` reaches it, `allocate` evicts a cached block before it touches a new one, so the memory the
+    cache holds stops growing at the limit (or at what held blocks need, if more) instead of filling the whole
+    pool with cached content, and new blocks stop costing page faults. None: new blocks before evictions, which
+    keeps cached content longest where the memory is committed anyway (a GPU).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, touch_limit: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if touch_limit is not None and touch_limit < 1:
+            raise ValueError(f"touch_limit must be >= 1 or None, got {touch_limit}")
         self.num_blocks = num_blocks
+        self.touch_limit = touch_limit
+        self.num_touched = 0
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -60,14 +71,21 @@ class BlockPool:
             raise RuntimeError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
         block_ids = []
         for _ in range(num_blocks):
-            if self._free:
+            if self._free and not self._evicts_before_touching():
                 block_id = self._free.popleft()
+                self.num_touched = max(self.num_touched, block_id + 1)
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 del self._cached[self._block_hash.pop(block_id)]
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
+
+    def _evicts_before_touching(self) -> bool:
+        """Whether the next block should be an evicted cached one although the free queue is not empty: only
+        never-touched blocks are left there, the touch limit is reached, and a cached block is evictable."""
+        return (self.touch_limit is not None and self.num_touched >= self.touch_limit and bool(self._evictable)
+                and self._free[0] >= self.num_touched)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Adds a holder to blocks that are already held (block sharing)."""
@@ -118,6 +136,14 @@ class BlockPool:
         self._cached.clear()
         self._block_hash.clear()
 
+    def forget_touched(self) -> None:
+        """Marks every block untouched again, in id order (the cache's memory was given back). Only with every
+        block free and nothing cached: else raises RuntimeError."""
+        if not self.is_whole or self._cached:
+            raise RuntimeError("forget_touched needs every block free and an empty prefix cache")
+        self._free = deque(range(self.num_blocks))
+        self.num_touched = 0
+
     def check_integrity(self) -> None:
         """Raises AssertionError if an invariant is broken (a bookkeeping bug, never a user error)."""
         free = set(self._free)
@@ -129,5 +155,7 @@ class BlockPool:
             assert (count == 0) == unused, f"block {block_id}: ref count {count}, unused={unused}"
         for block_id in self._evictable:
             assert block_id in self._block_hash, f"evictable block {block_id} has no cached content"
+        untouched = list(self._free)[len(self._free) - (self.num_blocks - self.num_touched):]
+        assert untouched == list(range(self.num_touched, self.num_blocks)), "untouched blocks out of order"
         assert all(self._block_hash[b] == h for h, b in self._cached.items()), "cache maps disagree"
         assert len(self._cached) == len(self._block_hash), "cache maps disagree"

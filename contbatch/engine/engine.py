@@ -23,6 +23,7 @@ from contbatch.engine.kv_cache import (
     available_memory_bytes,
     kv_cache_groups,
     num_blocks_for_memory,
+    resident_block_limit,
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
@@ -78,7 +79,7 @@ class LLMEngine:
             spec, groups, self.config.block_size, max(free, 0), self.config.max_memory_percent
         )
         self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device, groups)
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, resident_block_limit(self.cache))
         self.kv_manager = KVCacheManager(
             self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0,
             enable_caching=self.config.allow_block_sharing,
@@ -322,6 +323,7 @@ class LLMEngine:
         self.reset_prefix_cache()
         self.model_runner.drop_graphs()
         self.cache.release()
+        self.block_pool.forget_touched()
 
     def wake(self) -> None:
         """Reallocates the KV cache given back by `sleep()`, with the same shape, dtype and device (its content is

@@ -111,6 +111,28 @@ def num_blocks_for_memory(spec: KVCacheSpec, groups: list[KVCacheGroup], block_s
     return max(1, int(memory_bytes * percent) // spec.bytes_per_block(block_size, layers_per_block))
 
 
+RESIDENT_GIB_ENV = "CONTBATCH_CPU_CACHE_RESIDENT_GIB"
+DEFAULT_RESIDENT_GIB = 4.0
+
+
+def resident_block_limit(cache: PagedKVCache) -> int | None:
+    """The pool's `touch_limit` for `cache`: on CPU, the blocks of `CONTBATCH_CPU_CACHE_RESIDENT_GIB` GiB
+    (default 4, vLLM-CPU's default KV space), past which cached prefixes are evicted before new memory is
+    touched; None elsewhere (a GPU cache is committed when allocated). A CPU cache is `torch.empty`: its pages
+    are committed as they are first written, each new page a fault (about 1-5 us here), and a cache sized at 80%
+    of the RAM would otherwise fill all of it with cached content over a long run."""
+    if cache.device.type != "cpu":
+        return None
+    value = os.environ.get(RESIDENT_GIB_ENV, "")
+    try:
+        gib = float(value) if value else DEFAULT_RESIDENT_GIB
+    except ValueError:
+        raise ValueError(f"{RESIDENT_GIB_ENV} must be a number of GiB, got {value!r}") from None
+    if not (gib > 0 and math.isfinite(gib)):
+        raise ValueError(f"{RESIDENT_GIB_ENV} must be > 0, got {value!r}")
+    return max(1, int(gib * 2**30) // (cache.nbytes // (cache.num_blocks + 1)))
+
+
 class PagedKVCache:
     """K and V of every layer, in blocks of `block_size` token slots.
 
