@@ -304,7 +304,7 @@ class LLMEngine:
         pool = self.block_pool
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            1.0 - pool.num_free_blocks / pool.num_blocks, self.is_sleeping, pool.num_blocks,
-                           pool.num_free_blocks, pool.num_cached_blocks)
+                           pool.num_free_blocks, pool.num_cached_blocks, pool.num_touched)
 
     @property
     def is_sleeping(self) -> bool:

@@ -120,7 +120,8 @@ class ModelRunnerOutput:
 class EngineStats:
     """A snapshot of the engine's load; `is_sleeping` while the KV cache's memory is given back (`sleep()`).
     `num_free_blocks` counts the blocks a request can take (evictable cached ones included); `num_cached_blocks`
-    the blocks holding a cached prefix, in use or evictable."""
+    the blocks holding a cached prefix, in use or evictable; `num_touched_blocks` the blocks written at least once
+    since the cache was allocated (on CPU, what the cache holds in memory; see `BlockPool.touch_limit`)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -129,3 +130,4 @@ class EngineStats:
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
+    num_touched_blocks: int = 0

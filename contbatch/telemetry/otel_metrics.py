@@ -55,6 +55,8 @@ class _Instruments:
                                                "ones included)", lambda s: s.num_free_blocks),
             "contbatch.kv_cache.blocks.cached": ("{block}", "KV-cache blocks holding a cached prefix",
                                                  lambda s: s.num_cached_blocks),
+            "contbatch.kv_cache.blocks.touched": ("{block}", "KV-cache blocks written at least once since the cache "
+                                                  "was allocated", lambda s: s.num_touched_blocks),
         }
         for name, (unit, description, read) in gauges.items():
             meter.create_observable_gauge(name, [self._observer(read)], unit, description)

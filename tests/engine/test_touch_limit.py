@@ -99,8 +99,9 @@ def test_sleep_gives_the_memory_back_so_every_block_is_untouched_again() -> None
         engine.add_request(prompt, "a", max_new_tokens=5)
         run_engine(engine)
         assert engine.block_pool.num_touched == 4
+        assert engine.stats().num_touched_blocks == 4
         engine.sleep()
-        assert engine.block_pool.num_touched == 0
+        assert engine.block_pool.num_touched == 0 and engine.stats().num_touched_blocks == 0
         engine.add_request(prompt, "b", max_new_tokens=5)
         assert run_engine(engine)["b"].generated_tokens == reference_generate(model, prompt, 5)
         assert engine.block_pool.num_touched == 4

@@ -93,4 +93,6 @@ def test_prometheus_metrics_show_the_numbers_of_the_opentelemetry_instruments(tr
         "gen_ai.server.time_to_first_token", {"gen_ai.operation.name": "text_completion"})
     assert samples[("contbatch_kv_cache_blocks_free", ())] == collected.value("contbatch.kv_cache.blocks.free")
     assert samples[("contbatch_kv_cache_blocks_used", ())] + samples[("contbatch_kv_cache_blocks_free", ())] == 64
+    touched = samples[("contbatch_kv_cache_blocks_touched", ())]
+    assert touched == collected.value("contbatch.kv_cache.blocks.touched") and 0 < touched <= 64
     assert samples[("contbatch_requests_running", ())] == collected.value("contbatch.requests.running") == 0

@@ -45,6 +45,9 @@ class ServerMetrics(MetricsSink):
                                  registry=registry)
         self.blocks_cached = Gauge("contbatch_kv_cache_blocks_cached", "KV-cache blocks holding a cached prefix",
                                    registry=registry)
+        self.blocks_touched = Gauge("contbatch_kv_cache_blocks_touched",
+                                    "KV-cache blocks written at least once since the cache was allocated",
+                                    registry=registry)
         self.hit_tokens = Counter("contbatch_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
                                   registry=registry)
         self.preemptions = Counter("contbatch_preemptions", "Requests preempted", registry=registry)
@@ -101,4 +104,5 @@ class ServerMetrics(MetricsSink):
         self.blocks_used.set(stats.num_blocks - stats.num_free_blocks)
         self.blocks_free.set(stats.num_free_blocks)
         self.blocks_cached.set(stats.num_cached_blocks)
+        self.blocks_touched.set(stats.num_touched_blocks)
         return generate_latest(self.registry)
