@@ -130,7 +130,7 @@ def resident_block_limit(cache: PagedKVCache) -> int | None:
         raise ValueError(f"{RESIDENT_GIB_ENV} must be a number of GiB, got {value!r}") from None
     if not (gib > 0 and math.isfinite(gib)):
         raise ValueError(f"{RESIDENT_GIB_ENV} must be > 0, got {value!r}")
-    return max(1, int(gib * 2**30) // (cache.nbytes // (cache.num_blocks + 1)))
+    return max(1, int(gib * 2**30) // cache.spec.bytes_per_block(cache.block_size, cache.shape[0]))
 
 
 class PagedKVCache:
