@@ -8,7 +8,10 @@ of the other rows. The vocabulary projection (LM head), and the layers where the
 reordered once into oneDNN's blocked layout: 1.4-2.9x `F.linear` for the head at every batch size (where oneDNN
 also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at decode sizes. At a few hundred rows
 and more (prefill chunks) MKL is as fast for the layers, so a layer's product takes its packed copy only up to
-`LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always.
+`LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always. Where ATen runs AVX-512
+(`cpu_has_avx512`) the panel kernel, written for AVX2, runs at half the width of the machine: oneDNN's prepacked
+product is then about 2x it and 2-3x MKL's at every row count (on an AVX-512 AMD EPYC), and the layers take
+oneDNN's copy at every row count.
 
 bfloat16 weights are packed only where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16
 products are not available, `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), and there `F.linear` in bfloat16
@@ -105,6 +108,14 @@ def bf16_panels() -> bool:
     """Whether bfloat16 linears run through the panel kernel: it is built, and the CPU has no bfloat16 arithmetic
     for oneDNN (so `F.linear` in bfloat16 takes a slow generic path)."""
     return panel_gemm() is not None and not cpu_has_bf16()
+
+
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether ATen (and so oneDNN) runs AVX-512 code on this CPU: there oneDNN's float32 product over a prepacked
+    weight runs at about twice the panel kernel's AVX2 rate at every row count, and MKL's `F.linear` well below
+    both on AMD CPUs (docs/performance.md, "a sixteenth session")."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 @functools.cache
@@ -251,9 +262,12 @@ class _Plan:
 
 
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of a layer's `PackedLinear`: float32 in panels up to `LAYER_MAX_ROWS` rows, bfloat16 in
-    panels at every row count."""
-    return (0, True) if linear.weight.dtype == torch.bfloat16 else (LAYER_MAX_ROWS, True)
+    """(max_rows, panels) of a layer's `PackedLinear`: bfloat16 in panels at every row count; float32 through
+    oneDNN at every row count where ATen runs AVX-512 (`cpu_has_avx512`), else in panels up to `LAYER_MAX_ROWS`
+    rows."""
+    if linear.weight.dtype == torch.bfloat16:
+        return (0, True)
+    return (0, False) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
 
 
 def _head_kind(head: nn.Linear) -> tuple[int, bool]:
