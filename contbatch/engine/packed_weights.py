@@ -1,4 +1,4 @@
-"""The model's linear layers over prepacked weights, for contbatch's CPU float32 forwards.
+"""The model's linear layers over prepacked weights, for contbatch's CPU forwards (float32 and bfloat16).
 
 On CPU, float32, `F.linear` (MKL) runs the products of a decode step well below the machine's GEMM rate. Where
 the CPU kernels are built with AVX2 + FMA (`cpu_kernels.panel_gemm`), each layer's weight is packed once into
@@ -13,12 +13,14 @@ and more (prefill chunks) MKL is as fast for the layers, so a layer's product ta
 product is then about 2x it and 2-3x MKL's at every row count (on an AVX-512 AMD EPYC), and the layers take
 oneDNN's copy at every row count.
 
-bfloat16 weights are packed only where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16
-products are not available, `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), and there `F.linear` in bfloat16
-runs at about a seventh of the float32 rate. Every bfloat16 linear, the head included, then runs through the panel
+Where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16 products are not available,
+`torch.ops.mkldnn._is_mkldnn_bf16_supported()`), `F.linear` in bfloat16 runs at about a seventh of the float32
+rate. Every bfloat16 linear, the head included, then runs through the panel
 kernel at every row count: bfloat16 panels widened to float32 as they are read, float32 FMAs, the result rounded to
 bfloat16 once, at the rate of the float32 kernel with half its weight traffic. Where the CPU has bfloat16
-arithmetic, torch's own bfloat16 products stay.
+arithmetic, every bfloat16 linear takes oneDNN's bfloat16 product over a prepacked copy at every row count:
+1.1-1.6x `F.linear` in bfloat16, which reorders the weight at each call (docs/performance.md, "a sixteenth
+session").
 
 `packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
 through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of
@@ -95,11 +97,12 @@ packed_linear = define_op(
 def packing_applies(linear: object) -> TypeGuard[nn.Linear]:
     """Whether `linear` can be packed: exactly an `nn.Linear` with a CPU weight that tracks its version (not an
     inference tensor), oneDNN available, packing not disabled (`CONTBATCH_PACK_WEIGHTS=0`), and the weight float32,
-    or bfloat16 where `bf16_panels()`."""
+    or bfloat16 where `bf16_panels()` or `cpu_has_bf16()`."""
     if _setting() == "0" or type(linear) is not nn.Linear:
         return False
     weight = linear.weight
-    dtype_applies = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_panels())
+    dtype_applies = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                                       and (bf16_panels() or cpu_has_bf16()))
     return (weight.device.type == "cpu" and dtype_applies and not weight.is_inference()
             and torch.backends.mkldnn.is_available())
 
@@ -262,17 +265,19 @@ class _Plan:
 
 
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of a layer's `PackedLinear`: bfloat16 in panels at every row count; float32 through
+    """(max_rows, panels) of a layer's `PackedLinear`: bfloat16 at every row count, in panels where
+    `bf16_panels()`, else through oneDNN; float32 through
     oneDNN at every row count where ATen runs AVX-512 (`cpu_has_avx512`), else in panels up to `LAYER_MAX_ROWS`
     rows."""
     if linear.weight.dtype == torch.bfloat16:
-        return (0, True)
+        return (0, bf16_panels())
     return (0, False) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
 
 
 def _head_kind(head: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of the head's `PackedLinear`: float32 through oneDNN, bfloat16 in panels."""
-    return (0, head.weight.dtype == torch.bfloat16)
+    """(max_rows, panels) of the head's `PackedLinear`: every row count, in panels for bfloat16 where
+    `bf16_panels()`, else through oneDNN."""
+    return (0, head.weight.dtype == torch.bfloat16 and bf16_panels())
 
 
 def _setting() -> str:

@@ -1,7 +1,8 @@
-"""bfloat16 models on CPU: where the CPU has no bfloat16 arithmetic, every linear (the head too) runs through the
-panel kernel in bfloat16 panels at every row count and decode attention through the kernel on the bfloat16 cache;
-greedy tokens agree with `model.generate` in bfloat16 within a stated tolerance, since two float32-accumulating
-bfloat16 products that sum in different orders round differently."""
+"""bfloat16 models on CPU. Where the CPU has no bfloat16 arithmetic, every linear (the head too) runs through the
+panel kernel in bfloat16 panels at every row count; where it has (AVX512-BF16, AMX), through oneDNN's bfloat16
+product over a prepacked weight. Decode attention runs through the kernel on the bfloat16 cache either way. Greedy
+tokens agree with `model.generate` in bfloat16 within a stated tolerance, since two float32-accumulating bfloat16
+products that sum in different orders round differently."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from contbatch.engine import attention, cpu_kernels, packed_weights
 from contbatch.engine.packed_weights import PLAN_ATTRIBUTE, packed_forward, packing_applies
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 
-pytestmark = pytest.mark.skipif(not packed_weights.bf16_panels(),
-                                reason="needs the panel kernel on a CPU without bfloat16 arithmetic")
+pytestmark = pytest.mark.skipif(not (packed_weights.bf16_panels() or packed_weights.cpu_has_bf16()),
+                                reason="needs the panel kernel, or a CPU with bfloat16 arithmetic")
 
 LENGTHS = [1, 5, 17, 40, 64, 9]
 MAX_NEW = [12, 9, 14, 6, 10, 16]
@@ -27,16 +28,30 @@ def _bf16_model() -> nn.Module:
     return fresh_tiny_model("llama").to(torch.bfloat16)
 
 
-def test_bf16_linears_are_packed_in_panels_for_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_linears_are_packed_for_every_row_count() -> None:
+    """In panels where the CPU lacks bfloat16 arithmetic, in oneDNN's layout where it has it."""
     model = _bf16_model()
-    head = model.get_output_embeddings()
-    assert packing_applies(head)
+    assert packing_applies(model.get_output_embeddings())
+    panels = packed_weights.bf16_panels()
     with packed_forward(model):
         plan = model.__dict__[PLAN_ATTRIBUTE]
-        assert plan.packed_head.panels and plan.packed_head.max_rows == 0
-        assert plan.swaps and all(swap.panels and swap.max_rows == 0 for *_, swap in plan.swaps)
-    monkeypatch.setattr(packed_weights, "cpu_has_bf16", lambda: True)
-    assert not packing_applies(head)  # torch's bfloat16 products are fast there
+        assert plan.packed_head.panels == panels and plan.packed_head.max_rows == 0
+        assert len(plan.swaps) == 7 * len(model.model.layers)
+        assert all(swap.panels == panels and swap.max_rows == 0 for *_, swap in plan.swaps)
+
+
+def test_bf16_needs_panels_or_bf16_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    head = _bf16_model().get_output_embeddings()
+    monkeypatch.setenv("CONTBATCH_PANEL_GEMM", "0")
+    monkeypatch.setattr(packed_weights, "cpu_has_bf16", lambda: False)
+    cpu_kernels.panel_gemm.cache_clear()
+    try:
+        assert not packing_applies(head)  # bfloat16 products would take oneDNN's slow generic path
+        monkeypatch.setattr(packed_weights, "cpu_has_bf16", lambda: True)
+        assert packing_applies(head)
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.panel_gemm.cache_clear()
     assert packing_applies(nn.Linear(4, 4))
 
 

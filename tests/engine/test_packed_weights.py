@@ -49,8 +49,10 @@ def _linear(bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear
 
 def test_which_linears_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert packing_applies(_linear())
-    # bfloat16 only through the panel kernel, where the CPU lacks bfloat16 arithmetic (tests/engine/test_bfloat16.py)
-    assert packing_applies(_linear(dtype=torch.bfloat16)) == packed_weights.bf16_panels()
+    # bfloat16 through the panel kernel where the CPU lacks bfloat16 arithmetic, else oneDNN's where it has it
+    # (tests/engine/test_bfloat16.py)
+    assert packing_applies(_linear(dtype=torch.bfloat16)) == (packed_weights.bf16_panels()
+                                                              or packed_weights.cpu_has_bf16())
     assert not packing_applies(_linear(dtype=torch.float16))
     assert not packing_applies(type("MyLinear", (nn.Linear,), {})(4, 4))
     assert not packing_applies(None)
