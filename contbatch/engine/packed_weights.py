@@ -15,9 +15,9 @@ oneDNN's copy at every row count.
 
 Where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16 products are not available,
 `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), `F.linear` in bfloat16 runs at about a seventh of the float32
-rate. Every bfloat16 linear, the head included, then runs through the panel
-kernel at every row count: bfloat16 panels widened to float32 as they are read, float32 FMAs, the result rounded to
-bfloat16 once, at the rate of the float32 kernel with half its weight traffic. Where the CPU has bfloat16
+rate. Every bfloat16 linear, the head included, then runs through the panel kernel at every row count: bfloat16
+panels widened to float32 as they are read, float32 FMAs, the result rounded to bfloat16 once, at the rate of the
+float32 kernel with half its weight traffic. Where the CPU has bfloat16
 arithmetic, every bfloat16 linear takes oneDNN's bfloat16 product over a prepacked copy at every row count:
 1.1-1.6x `F.linear` in bfloat16, which reorders the weight at each call (docs/performance.md, "a sixteenth
 session").
@@ -265,10 +265,9 @@ class _Plan:
 
 
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of a layer's `PackedLinear`: bfloat16 at every row count, in panels where
-    `bf16_panels()`, else through oneDNN; float32 through
-    oneDNN at every row count where ATen runs AVX-512 (`cpu_has_avx512`), else in panels up to `LAYER_MAX_ROWS`
-    rows."""
+    """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`,
+    else through oneDNN. float32: through oneDNN at every row count where ATen runs AVX-512 (`cpu_has_avx512`),
+    else in panels up to `LAYER_MAX_ROWS` rows."""
     if linear.weight.dtype == torch.bfloat16:
         return (0, bf16_panels())
     return (0, False) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
