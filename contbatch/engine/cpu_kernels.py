@@ -21,7 +21,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).parent / "csrc" / "cpu_kernels.cpp", Path(__file__).parent / "csrc" / "panel_gemm.cpp")
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp")
+_HEADERS = (_CSRC / "simd.h",)
 PANEL = 16
 
 DecodeKernel = Callable[..., torch.Tensor]
@@ -68,7 +70,7 @@ def kernel_module() -> Any:
 
         # -march=native: the build is only valid on this kind of CPU, so its flags are part of the name.
         openmp = _openmp_flags()
-        sources = b"".join(source.read_bytes() for source in _SOURCES)
+        sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
         digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join(openmp).encode())
         module = load(
             name=f"contbatch_paged_decode_{digest.hexdigest()[:12]}",

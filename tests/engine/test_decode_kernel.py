@@ -30,13 +30,13 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
 
 
 @pytest.mark.parametrize(("kv_heads", "group", "dim", "softcap"), [
-    (3, 3, 64, 0.0),   # SmolLM2's shape: the vectorised path
+    (3, 3, 64, 0.0),   # SmolLM2's shape: the vectorised path (16 lanes where the CPU has AVX-512, else 8)
     (2, 1, 128, 0.0),
-    (1, 8, 32, 30.0),  # soft-capped logits (Gemma 2)
+    (1, 8, 32, 30.0),  # soft-capped logits (Gemma 2); with 16 lanes, scores of 3 + 3 + 2 heads per key pass
     (2, 2, 12, 0.0),   # head_dim not a multiple of 8: the scalar path
-    (1, 5, 40, 0.0),   # query heads in register groups of 4 then 1; columns 2 vectors at a time then 1
-    (2, 2, 24, 0.0),   # columns 4 vectors at a time then 1 at a time
-    (1, 7, 80, 0.0),
+    (1, 5, 40, 0.0),   # 8 lanes only; query heads in register groups of 4 then 1; columns 2 vectors then 1
+    (2, 2, 24, 0.0),   # 8 lanes only; columns 4 vectors at a time then 1 at a time
+    (1, 7, 80, 0.0),   # with 16 lanes: scores of 3 + 3 + 1 heads, columns 4 vectors then 1
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype) -> None:

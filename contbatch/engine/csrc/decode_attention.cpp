@@ -1,0 +1,305 @@
+// contbatch's paged attention for requests that compute one query token (decode), on CPU. The cache holds float32 or
+// bfloat16 (each bfloat16 row widened to float32 as it is read, exactly); the arithmetic is float32 either way, and a
+// bfloat16 query's output is rounded to bfloat16 once, at the end.
+//
+// The kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
+// (request, kv head), the query heads of a GQA group sharing every key and value row they read.
+//
+// With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes. The
+// first computes every score, 8 positions at a time: with AVX-512, each key row is loaded once for up to 3 query
+// heads; then an exact softmax over them (exp as a vector polynomial). The second sums the value rows weighted by the
+// probabilities, 16 rows at a time with the output rows held in registers: each output element is one sum over the
+// positions in order, whatever the width. Each key row is prefetched 32 positions before it is read, each value row
+// during the key pass, and the first key rows of a thread's next task while the current one finishes. Elsewhere a
+// scalar two-pass loop computes the same function.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "simd.h"
+
+// Blocks of the cache are scattered: the hardware prefetcher stops at each block's end, so every row is fetched
+// kPrefetchAhead positions before it is read (prefetching changes no arithmetic).
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t dim) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d, 0, 3);
+}
+
+template <typename T>
+struct Task {
+  const float* q;        // [group, dim] the query heads of one kv head
+  const T* k;            // this kv head's key slots
+  const T* v;            // this kv head's value slots
+  const int64_t* slots;  // the request's slot of each position
+  int64_t first, length, group, dim;
+  float scale, softcap;
+  float* out;            // [group, dim]
+};
+
+template <typename T>
+static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t group = t.group, dim = t.dim, n = t.length, f = t.first;
+  scores.assign(group * n, 0.f);
+  acc.assign(group * dim, 0.f);
+  std::vector<float> row_max(group, -INFINITY), row_sum(group, 0.f);
+  for (int64_t j = f; j < n; ++j) {
+    const T* kr = t.k + t.slots[j] * dim;
+    if (j + kPrefetchAhead < n) prefetch_row(t.k + t.slots[j + kPrefetchAhead] * dim, dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = t.q + g * dim;
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * static_cast<float>(kr[d]);
+      s *= t.scale;
+      if (t.softcap > 0.f) s = t.softcap * std::tanh(s / t.softcap);
+      scores[g * n + j] = s;
+      row_max[g] = std::max(row_max[g], s);
+    }
+  }
+  for (int64_t j = f; j < n; ++j) {
+    const T* vr = t.v + t.slots[j] * dim;
+    if (j + kPrefetchAhead < n) prefetch_row(t.v + t.slots[j + kPrefetchAhead] * dim, dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = std::exp(scores[g * n + j] - row_max[g]);
+      row_sum[g] += p;
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * static_cast<float>(vr[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) t.out[g * dim + d] = acc[g * dim + d] / row_sum[g];
+}
+
+#ifdef CONTBATCH_AVX2
+// The scores' scale (and soft cap) applied to 8 sums, lanes >= count set to -inf.
+template <typename T>
+static inline __m256 finish8(__m256 s, const Task<T>& t, int64_t count) {
+  s = _mm256_mul_ps(s, _mm256_set1_ps(t.scale));
+  if (t.softcap > 0.f) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, s);
+    for (float& x : lanes) x = t.softcap * std::tanh(x / t.softcap);
+    s = _mm256_load_ps(lanes);
+  }
+  const __m256 valid = _mm256_cmp_ps(_mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_ps(float(count)), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
+}
+
+// The 8 scores of each of the GN query heads q + g * dim against the key rows kr[0, 8), finished (`finish8`),
+// stored at out + g * stride. Each key row is loaded once for the GN heads.
+template <typename S, int GN, typename T>
+static inline void scores8(const float* q, const T* const* kr, const Task<T>& t, int64_t count, float* out,
+                           int64_t stride) {
+  typename S::V a[GN][8];
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < 8; ++i) a[g][i] = S::zero();
+  for (int64_t c = 0; c < t.dim; c += S::kWidth) {
+    typename S::V qv[GN];
+    for (int g = 0; g < GN; ++g) qv[g] = S::load(q + g * t.dim + c);
+    for (int i = 0; i < 8; ++i) {
+      const typename S::V k = S::load(kr[i] + c);
+      for (int g = 0; g < GN; ++g) a[g][i] = S::fma(qv[g], k, a[g][i]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    __m256 folded[8];
+    for (int i = 0; i < 8; ++i) folded[i] = S::fold(a[g][i]);
+    _mm256_storeu_ps(out + g * stride, finish8(reduce8(folded), t, count));
+  }
+}
+
+// `scores8` for every query head of the task, up to 3 heads per pass over the rows with 16 lanes (1 with 8: AVX2
+// has 16 registers).
+template <typename S, typename T>
+static inline void scores_of_rows(const Task<T>& t, const T* const* kr, int64_t count, float* out, int64_t stride) {
+  for (int64_t g = 0; g < t.group;) {
+    const int64_t left = t.group - g;
+    if constexpr (S::kWidth == 16) {
+      if (left >= 3) {
+        scores8<S, 3>(t.q + g * t.dim, kr, t, count, out + g * stride, stride);
+        g += 3;
+        continue;
+      }
+      if (left == 2) {
+        scores8<S, 2>(t.q + g * t.dim, kr, t, count, out + g * stride, stride);
+        g += 2;
+        continue;
+      }
+    }
+    scores8<S, 1>(t.q + g * t.dim, kr, t, count, out + g * stride, stride);
+    g += 1;
+  }
+}
+
+// out[g][c, c + W CN) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + W CN), g < GN: the
+// GN x CN output vectors stay in registers over the rows (independent FMA chains), each row is loaded once.
+template <typename S, int GN, int CN, typename T>
+static void accumulate_columns(const float* probs, int64_t stride, const T* const* vr, int64_t count,
+                               int64_t dim, int64_t c, float* out) {
+  typename S::V a[GN][CN];
+  for (int g = 0; g < GN; ++g)
+    for (int k = 0; k < CN; ++k) a[g][k] = S::load(out + g * dim + c + S::kWidth * k);
+  for (int64_t i = 0; i < count; ++i) {
+    typename S::V b[GN];
+    for (int g = 0; g < GN; ++g) b[g] = S::broadcast(probs + g * stride + i);
+    for (int k = 0; k < CN; ++k) {
+      const typename S::V v = S::load(vr[i] + c + S::kWidth * k);
+      for (int g = 0; g < GN; ++g) a[g][k] = S::fma(b[g], v, a[g][k]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int k = 0; k < CN; ++k) S::store(out + g * dim + c + S::kWidth * k, a[g][k]);
+}
+
+// accumulate_columns over every column of the GN output rows, CN vectors at a time.
+template <typename S, int GN, int CN, typename T>
+static void accumulate_values(const float* probs, int64_t stride, const T* const* vr, int64_t count,
+                              int64_t dim, float* out) {
+  int64_t c = 0;
+  for (; c + S::kWidth * CN <= dim; c += S::kWidth * CN)
+    accumulate_columns<S, GN, CN>(probs, stride, vr, count, dim, c, out);
+  for (; c < dim; c += S::kWidth) accumulate_columns<S, GN, 1>(probs, stride, vr, count, dim, c, out);
+}
+
+constexpr int64_t kValueRows = 16;
+constexpr int64_t kKeyPrefetch = 32;
+
+// Each group's scores at s[0, stride) replaced by their softmax (lanes at -inf give 0); the outputs zeroed.
+template <typename T>
+static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
+  for (int64_t g = 0; g < t.group; ++g) {
+    float* s = scores + g * stride;
+    __m256 high = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < stride; c += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(s + c));
+    const __m256 top = _mm256_set1_ps(hmax(high)), none = _mm256_set1_ps(-INFINITY);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < stride; c += 8) {
+      const __m256 x = _mm256_loadu_ps(s + c);
+      const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, top)), _mm256_cmp_ps(x, none, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(s + c, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+    for (int64_t c = 0; c < stride; c += 8) _mm256_storeu_ps(s + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), inv));
+    std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
+  }
+}
+
+// The value pass: out[g] = sum over positions of probs[g] * value row, kValueRows rows at a time.
+template <typename S, typename T>
+static void weigh_values(const Task<T>& t, const float* scores, int64_t stride) {
+  constexpr int kOneRow = static_cast<int>(64 / S::kWidth);
+  const T* rows[kValueRows];
+  const int64_t dim = t.dim, n = t.length;
+  for (int64_t j0 = t.first; j0 < n; j0 += kValueRows) {
+    const int64_t count = std::min<int64_t>(kValueRows, n - j0);
+    for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
+    for (int64_t j = j0 + kValueRows; j < std::min(j0 + 2 * kValueRows, n); ++j)
+      prefetch_row(t.v + t.slots[j] * dim, dim);
+    const float* p = scores + (j0 - t.first);
+    for (int64_t g = 0; g < t.group; g += 4) {
+      float* out = t.out + g * dim;
+      const float* pg = p + g * stride;
+      switch (std::min<int64_t>(4, t.group - g)) {
+        case 1: accumulate_values<S, 1, kOneRow>(pg, stride, rows, count, dim, out); break;
+        case 2: accumulate_values<S, 2, 4>(pg, stride, rows, count, dim, out); break;
+        case 3: accumulate_values<S, 3, 4>(pg, stride, rows, count, dim, out); break;
+        default: accumulate_values<S, 4, 2>(pg, stride, rows, count, dim, out); break;
+      }
+    }
+  }
+}
+
+// One task with S's lanes (head_dim a multiple of S::kWidth); `next` (or null): the thread's next task, whose first
+// key rows are prefetched before the value pass.
+template <typename S, typename T>
+static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float>& scores) {
+  const int64_t dim = t.dim, first = t.first, n = t.length;
+  const int64_t stride = (n - first + 7) / 8 * 8;
+  scores.resize(t.group * stride);
+  const T* rows[8];
+  for (int64_t j = first; j < std::min(first + kKeyPrefetch, n); ++j) prefetch_row(t.k + t.slots[j] * dim, dim);
+  for (int64_t j = first; j < std::min(first + 8, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+  for (int64_t j0 = first; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    for (int i = 0; i < 8; ++i) rows[i] = t.k + t.slots[j0 + std::min<int64_t>(i, count - 1)] * dim;
+    for (int64_t j = j0 + kKeyPrefetch; j < std::min(j0 + kKeyPrefetch + 8, n); ++j)
+      prefetch_row(t.k + t.slots[j] * dim, dim);
+    for (int64_t j = j0 + 8; j < std::min(j0 + 16, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+    scores_of_rows<S>(t, rows, count, scores.data() + (j0 - first), stride);
+  }
+  for (int64_t j = first; j < std::min(first + kValueRows, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+  if (next != nullptr)
+    for (int64_t j = next->first; j < std::min(next->first + kKeyPrefetch, next->length); ++j)
+      prefetch_row(next->k + next->slots[j] * dim, dim);
+  softmax_rows(t, scores.data(), stride);
+  weigh_values<S>(t, scores.data(), stride);
+}
+#endif
+
+template <typename T>
+static void decode_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
+                         const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t num_slots, int64_t max_len, float scale, float softcap) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch_a, scratch_b;
+    const auto make = [&](int64_t task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
+                     slot + b * max_len, start[b], length[b], group, dim, scale, softcap,
+                     out + (b * heads + h * group) * dim};
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      const Task<T> t = make(task), following = make(task + 1 < end ? task + 1 : task);
+      const Task<T>* next = task + 1 < end ? &following : nullptr;
+#ifdef CONTBATCH_AVX512
+      if (dim % 16 == 0) {
+        attend_simd<Lanes16>(t, next, scratch_a);
+        continue;
+      }
+#endif
+#ifdef CONTBATCH_AVX2
+      if (dim % 8 == 0) {
+        attend_simd<Lanes8>(t, next, scratch_a);
+        continue;
+      }
+#endif
+      attend_scalar(t, scratch_a, scratch_b);
+    }
+  });
+}
+
+// query: [B, H, D]; key_cache, value_cache: [KVH, S, D] (head-major slots), float32 or bfloat16, of the query's
+// dtype; slots: [B, L] cache slot of each request's positions 0..L-1; lengths: [B] keys each request attends to;
+// first: [B] first visible position (sliding window). Returns [B, H, D] in the query's dtype.
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                                     const torch::Tensor& value_cache, const torch::Tensor& slots,
+                                     const torch::Tensor& lengths, const torch::Tensor& first, double scale,
+                                     double softcap) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
+  TORCH_CHECK(slots.is_contiguous() && slots.dtype() == torch::kInt64);
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
+  const torch::Tensor q32 = query.to(torch::kFloat32);
+  auto output = torch::empty_like(q32);
+  const float* q = q32.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* start = first.data_ptr<int64_t>();
+  float* out = output.data_ptr<float>();
+  const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
+  if (dtype == torch::kFloat32) {
+    decode_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
+                 kv_heads, dim, num_slots, max_len, scale32, softcap32);
+    return output;
+  }
+  decode_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
+               out, batch, heads, kv_heads, dim, num_slots, max_len, scale32, softcap32);
+  return output.to(dtype);
+}

@@ -1,0 +1,94 @@
+// SIMD helpers shared by contbatch's CPU kernels (built with -march=native): CONTBATCH_AVX2 where the CPU has AVX2 +
+// FMA, CONTBATCH_AVX512 where it also has AVX-512F. `Lanes8` and `Lanes16` wrap one vector register of float32 lanes
+// (AVX2 and AVX-512) behind the same names, so a kernel is written once for both widths.
+#pragma once
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CONTBATCH_AVX2 1
+#if defined(__AVX512F__)
+#define CONTBATCH_AVX512 1
+#endif
+#endif
+
+#ifdef CONTBATCH_AVX2
+// 8 consecutive elements of a cache row as float32.
+static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+
+static inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// exp for x <= 88.37 (Cephes' single-precision polynomial, ~1 ulp); lanes below -87.3 give ~0.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+// lane i of the result = the sum of the lanes of a[i]
+static inline __m256 reduce8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+static inline float hsum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* x) { return _mm256_loadu_ps(x); }
+  static V load(const c10::BFloat16* x) { return load8(x); }
+  static V broadcast(const float* x) { return _mm256_broadcast_ss(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+  // 8 lanes, lane i the sum of the lanes of `v` congruent to i mod 8
+  static __m256 fold(V v) { return v; }
+};
+#endif
+
+#ifdef CONTBATCH_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static V load(const c10::BFloat16* x) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static V broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+  static __m256 fold(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#endif
