@@ -190,7 +190,7 @@ static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
 // The value pass: out[g] = sum over positions of probs[g] * value row, kValueRows rows at a time.
 template <typename S, typename T>
 static void weigh_values(const Task<T>& t, const float* scores, int64_t stride) {
-  constexpr int kOneRow = static_cast<int>(64 / S::kWidth);
+  constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
   const T* rows[kValueRows];
   const int64_t dim = t.dim, n = t.length;
   for (int64_t j0 = t.first; j0 < n; j0 += kValueRows) {
@@ -203,7 +203,7 @@ static void weigh_values(const Task<T>& t, const float* scores, int64_t stride) 
       float* out = t.out + g * dim;
       const float* pg = p + g * stride;
       switch (std::min<int64_t>(4, t.group - g)) {
-        case 1: accumulate_values<S, 1, kOneRow>(pg, stride, rows, count, dim, out); break;
+        case 1: accumulate_values<S, 1, kOneHeadVectors>(pg, stride, rows, count, dim, out); break;
         case 2: accumulate_values<S, 2, 4>(pg, stride, rows, count, dim, out); break;
         case 3: accumulate_values<S, 3, 4>(pg, stride, rows, count, dim, out); break;
         default: accumulate_values<S, 4, 2>(pg, stride, rows, count, dim, out); break;
@@ -253,7 +253,7 @@ static void decode_tasks(const float* q, const T* k, const T* v, const int64_t* 
                      out + (b * heads + h * group) * dim};
     };
     for (int64_t task = begin; task < end; ++task) {
-      const Task<T> t = make(task), following = make(task + 1 < end ? task + 1 : task);
+      const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
       const Task<T>* next = task + 1 < end ? &following : nullptr;
 #ifdef CONTBATCH_AVX512
       if (dim % 16 == 0) {
