@@ -1,7 +1,9 @@
 """Peer engines and the result table of the throughput benchmark.
 
 Every runner takes the same workload (token-id prompts, greedy decoding, `max_new_tokens` each), does a short
-untimed warm-up, then times the whole workload with `time.perf_counter()` and returns a `BenchResult`.
+untimed warm-up, then times the whole workload with `time.perf_counter()` and returns a `BenchResult`. With
+`warm_pass`, contbatch's warm-up is the whole workload instead, on the engine the timed pass reuses (its prefix cache
+emptied between): the timed pass then measures a warm engine, as a long job or a server runs most of the time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
-from contbatch import ContinuousBatchingConfig, Telemetry
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, Telemetry
 from contbatch.api import generate_batch
 
 EosTokenId = int | Sequence[int] | None
@@ -26,6 +28,7 @@ CB_ATTN_IMPLEMENTATION = "sdpa"
 
 _WARMUP_PROMPTS = 2
 _WARMUP_NEW_TOKENS = 4
+_MANAGER = "_contbatch_manager"
 
 
 @dataclass
@@ -40,6 +43,8 @@ class BenchResult:
         outputs: per prompt, in input order, the generated ids (the first EOS included), for engines that report
             them (all of this module's, and vLLM); None otherwise. Used to count agreeing outputs, not shown in
             the table.
+        cached_prompt_tokens: prompt tokens taken from the prefix cache instead of computed (contbatch reports
+            them; None for the other engines).
     """
 
     engine: str
@@ -47,6 +52,7 @@ class BenchResult:
     generated_tokens: int
     prompt_tokens: int
     outputs: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    cached_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.wall_s <= 0:
@@ -99,16 +105,28 @@ def run_contbatch(
     eos_token_id: EosTokenId,
     config: ContinuousBatchingConfig | None = None,
     telemetry: Telemetry | None = None,
+    warm_pass: bool = False,
 ) -> BenchResult:
     """Run the workload through contbatch's `generate_batch` (greedy), reporting to `telemetry` (None: its
-    default)."""
+    default). Without `warm_pass` the untimed warm-up is short and the timed call makes a new engine (its KV
+    cache's pages are first written, and committed, in the timed call); with it the warm-up is a whole untimed
+    pass on a persistent manager, whose prefix cache is emptied before the timed pass runs on it (the same blocks
+    are written again, nothing computed is reused). The manager is stopped before this returns."""
     generation_config = _greedy_config(max_new_tokens, eos_token_id, model.generation_config.pad_token_id)
-    warmup = inputs[:_WARMUP_PROMPTS]
-    generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=_WARMUP_NEW_TOKENS,
-                   telemetry=telemetry)
-    start = time.perf_counter()
-    outputs = generate_batch(model, inputs, generation_config, config, progress_bar=False, telemetry=telemetry)
-    wall = time.perf_counter() - start
+    warmup, warmup_tokens = (inputs, max_new_tokens) if warm_pass else (inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS)
+    generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=warmup_tokens,
+                   telemetry=telemetry, persistent_manager=warm_pass)
+    try:
+        if warm_pass:
+            cast(ContinuousBatchingManager, model.__dict__[_MANAGER]).reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = generate_batch(model, inputs, generation_config, config, progress_bar=False, telemetry=telemetry,
+                                 persistent_manager=warm_pass)
+        wall = time.perf_counter() - start
+    finally:
+        manager = model.__dict__.pop(_MANAGER, None)
+        if manager is not None:
+            manager.stop()
     failed = [output.error for output in outputs.values() if output.error is not None]
     if failed:
         raise RuntimeError(f"contbatch failed {len(failed)} requests, first: {failed[0]}")
@@ -118,6 +136,7 @@ def run_contbatch(
         generated_tokens=sum(len(output.generated_tokens) for output in outputs.values()),
         prompt_tokens=sum(len(ids) for ids in inputs),
         outputs=[list(outputs[f"req_{i}"].generated_tokens) for i in range(len(inputs))],
+        cached_prompt_tokens=sum(output.num_cached_tokens for output in outputs.values()),
     )
 
 

