@@ -10,8 +10,8 @@
 // heads; then an exact softmax over them (exp as a vector polynomial). The second sums the value rows weighted by the
 // probabilities, 16 rows at a time with the output rows held in registers: each output element is one sum over the
 // positions in order, whatever the width. Each key row is prefetched 32 positions before it is read, each value row
-// during the key pass, and the first key rows of a thread's next task while the current one finishes. Elsewhere a
-// scalar two-pass loop computes the same function.
+// during the key pass, and the key rows of a thread's next task while the current one's value pass runs. Elsewhere
+// a scalar two-pass loop computes the same function.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -165,6 +165,7 @@ static void accumulate_values(const float* probs, int64_t stride, const T* const
 
 constexpr int64_t kValueRows = 16;
 constexpr int64_t kKeyPrefetch = 32;
+constexpr int64_t kNextKeys = 32;
 
 // Each group's scores at s[0, stride) replaced by their softmax (lanes at -inf give 0); the outputs zeroed.
 template <typename T>
@@ -187,17 +188,23 @@ static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
   }
 }
 
-// The value pass: out[g] = sum over positions of probs[g] * value row, kValueRows rows at a time.
+// The value pass: out[g] = sum over positions of probs[g] * value row, kValueRows rows at a time. Meanwhile the key
+// rows of `next` (the thread's next task, or null) past its first kKeyPrefetch are prefetched, kNextKeys rows per
+// kValueRows value rows, so that the memory keeps streaming while the value pass computes from the cache.
 template <typename S, typename T>
-static void weigh_values(const Task<T>& t, const float* scores, int64_t stride) {
+static void weigh_values(const Task<T>& t, const float* scores, int64_t stride, const Task<T>* next) {
   constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
   const T* rows[kValueRows];
   const int64_t dim = t.dim, n = t.length;
-  for (int64_t j0 = t.first; j0 < n; j0 += kValueRows) {
+  int64_t ahead = next == nullptr ? 0 : next->first + kKeyPrefetch;
+  for (int64_t j0 = t.first; j0 < n; j0 += kValueRows, ahead += kNextKeys) {
     const int64_t count = std::min<int64_t>(kValueRows, n - j0);
     for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
     for (int64_t j = j0 + kValueRows; j < std::min(j0 + 2 * kValueRows, n); ++j)
       prefetch_row(t.v + t.slots[j] * dim, dim);
+    if (next != nullptr)
+      for (int64_t j = ahead; j < std::min(ahead + kNextKeys, next->length); ++j)
+        prefetch_row(next->k + next->slots[j] * dim, dim);
     const float* p = scores + (j0 - t.first);
     for (int64_t g = 0; g < t.group; g += 4) {
       float* out = t.out + g * dim;
@@ -212,8 +219,8 @@ static void weigh_values(const Task<T>& t, const float* scores, int64_t stride) 
   }
 }
 
-// One task with S's lanes (head_dim a multiple of S::kWidth); `next` (or null): the thread's next task, whose first
-// key rows are prefetched before the value pass.
+// One task with S's lanes (head_dim a multiple of S::kWidth); `next` (or null): the thread's next task, whose key rows
+// are prefetched from before the value pass on.
 template <typename S, typename T>
 static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float>& scores) {
   const int64_t dim = t.dim, first = t.first, n = t.length;
@@ -235,7 +242,7 @@ static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float
     for (int64_t j = next->first; j < std::min(next->first + kKeyPrefetch, next->length); ++j)
       prefetch_row(next->k + next->slots[j] * dim, dim);
   softmax_rows(t, scores.data(), stride);
-  weigh_values<S>(t, scores.data(), stride);
+  weigh_values<S>(t, scores.data(), stride, next);
 }
 #endif
 
