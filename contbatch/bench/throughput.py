@@ -114,9 +114,9 @@ def run_contbatch(
     are written again, nothing computed is reused). The manager is stopped before this returns."""
     generation_config = _greedy_config(max_new_tokens, eos_token_id, model.generation_config.pad_token_id)
     warmup, warmup_tokens = (inputs, max_new_tokens) if warm_pass else (inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS)
-    generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=warmup_tokens,
-                   telemetry=telemetry, persistent_manager=warm_pass)
     try:
+        generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=warmup_tokens,
+                       telemetry=telemetry, persistent_manager=warm_pass)
         if warm_pass:
             cast(ContinuousBatchingManager, model.__dict__[_MANAGER]).reset_prefix_cache()
         start = time.perf_counter()

@@ -166,8 +166,8 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
 
     `result.wall_s` times only vLLM's `generate` over all prompts; model load, compilation and a short warm-up
     (2 prompts x 4 tokens; with `warm_pass` the whole workload, vLLM's prefix cache reset after it) come before
-    it, untimed. `enforce_eager` skips vLLM's torch.compile (faster start,
-    slower run). `runner` is the script to run (tests substitute a fake one).
+    it, untimed. `enforce_eager` skips vLLM's torch.compile (faster start, slower run). `runner` is the script to
+    run (tests substitute a fake one).
 
     Raises:
         FileNotFoundError: no peers Python (see `peers_python`).
