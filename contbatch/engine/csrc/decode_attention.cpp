@@ -103,8 +103,10 @@ static inline void scores8(const float* q, const T* const* kr, const Task<T>& t,
       for (int g = 0; g < GN; ++g) a[g][i] = S::fma(qv[g], k, a[g][i]);
     }
   }
+#pragma GCC unroll 4
   for (int g = 0; g < GN; ++g) {
     __m256 folded[8];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) folded[i] = S::fold(a[g][i]);
     _mm256_storeu_ps(out + g * stride, finish8(reduce8(folded), t, count));
   }
