@@ -1,5 +1,6 @@
 """contbatch's CPU kernels (paged decode attention, the write of new K/V rows into the cache, greedy argmax, the
-linear layers' product over panel-packed weights), compiled on first use with torch's C++ extension builder.
+linear layers' product over panel-packed weights, the head screen's quantisation and candidates), compiled on first
+use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; the result is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
 under ~/.cache), so only the first process on a machine pays the ~20 s build. Where the build fails, or with
@@ -22,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp")
+_SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp",
+            _CSRC / "head_screen.cpp")
 _HEADERS = (_CSRC / "simd.h",)
 PANEL = 16
 
@@ -61,8 +63,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernel_module() -> Any:
-    """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, and `parallel_threads()`: how
-    many threads its `at::parallel_for` runs on), or None when disabled or not buildable."""
+    """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`,
+    `screen_quantize`, `screen_tokens`, `has_vnni()`, and `parallel_threads()`: how many threads its
+    `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     try:

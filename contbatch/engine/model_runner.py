@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOu
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.compile_padding import pad_for_compile
 from contbatch.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphSettings
+from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
@@ -36,6 +37,7 @@ from contbatch.engine.sampler import Sampler
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
 LOG_SOFTMAX_ROWS = 256
+_SCREENED = "_contbatch_screened_tokens"
 
 
 class ModelRunner:
@@ -44,7 +46,8 @@ class ModelRunner:
     While the runner is attached the model's attention implementation is contbatch's; `close()` restores the one
     it had. Every step is one forward over one packed, ragged batch (`[1, num_tokens]`, no padding between
     requests), and logits are computed only at the positions that sample (`execute`); sampling is a separate
-    stage (`sample`), so a logits mask can come between the two.
+    stage (`sample`), so a logits mask can come between the two. The engine's steps (`head_screen.screen_allowed`)
+    let a plain greedy step skip its logits: the head screen finds the argmax without them.
 
     Prompt logprobs: `execute` also keeps the logits rows of the chunks that ask for them (a
     `PromptLogprobsTask`) and turns them into entries at once; the next `sample` hands those entries on in its
@@ -72,6 +75,7 @@ class ModelRunner:
         self.device = cache.keys[0].device
         self._previous_attention: str | None = None
         self._prompt_logprobs: dict[str, list[PromptLogprob]] = {}
+        self.head_is_final: bool | None = None
         self.attach()
 
     def attach(self) -> None:
@@ -91,7 +95,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput, prepared: PreparedBatch | None = None) -> torch.Tensor:
         """Computes the batch's tokens into the cache; returns the logits [scheduled requests that sample,
-        vocab], in batch order. The logits rows of prompt logprobs tasks are computed in the same forward, after
+        vocab], in batch order. Inside `head_screen.screen_allowed()`, a plain greedy step may skip its logits
+        through the head screen: the result is then a placeholder carrying the tokens, which only `sample`, without
+        a mask, may read. The logits rows of prompt logprobs tasks are computed in the same forward, after
         the sampling rows, and become the entries the next `sample` returns. `prepared`: the batch's inputs from
         `prepare` (made now when None), its carried tokens filled in."""
         self._prompt_logprobs = {}
@@ -112,9 +118,21 @@ class ModelRunner:
                       "logits_to_keep": logits_indices}
             if self.compiled is not None and path in self.compiled.paths:
                 inputs, metadata = pad_for_compile(inputs, metadata)
+            if (self.head_is_final is not False and screen_allowed() and len(logits_indices) == num_sampling > 0
+                    and plain_greedy(scheduler_output.sampling_targets)):
+                return self._screened(functools.partial(forward, inputs, metadata), num_sampling)
             logits = forward(inputs, metadata)[:len(logits_indices)]
         self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)
         return logits[:num_sampling]
+
+    def _screened(self, forward: Callable[[], torch.Tensor], rows: int) -> torch.Tensor:
+        """The logits of a plain greedy step through the head screen (`head_screen.screened_forward`): when it
+        served the step they are a placeholder carrying the tokens, which `sample` takes."""
+        logits, tokens, self.head_is_final = screened_forward(forward, rows, self.head_is_final)
+        logits = logits[:rows]
+        if tokens is not None:
+            setattr(logits, _SCREENED, tokens)
+        return logits
 
     def _forward(self, path: str, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata) -> torch.Tensor:
         """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
@@ -158,6 +176,7 @@ class ModelRunner:
         while the step was in flight). The output carries the prompt logprobs of the latest `execute`."""
         prompt, self._prompt_logprobs = self._prompt_logprobs, {}
         targets = scheduler_output.sampling_targets
+        screened: torch.Tensor | None = getattr(logits, _SCREENED, None)
         rows = None
         if live is not None and not all(live):
             targets = [target for target, keep in zip(targets, live, strict=True) if keep]
@@ -166,6 +185,12 @@ class ModelRunner:
                 logits_mask = logits_mask[torch.tensor(live)]
         elif len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
             rows = scheduler_output.sampling_rows
+        if screened is not None:
+            if logits_mask is not None:
+                raise ValueError("a step served by the head screen has no logits to mask")
+            tokens = screened if rows is None else screened[torch.tensor(rows, dtype=torch.long)]
+            return ModelRunnerOutput(request_ids=[target.request_id for target in targets],
+                                     sampled_token_ids=tokens.tolist(), prompt_logprobs=prompt)
         if rows is not None:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         if logits_mask is not None:

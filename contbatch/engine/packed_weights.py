@@ -55,6 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from contbatch.engine.cpu_kernels import pack_panels, panel_gemm
+from contbatch.engine.head_screen import forget as forget_screen
+from contbatch.engine.head_screen import note_head_output, screened_product
 from contbatch.engine.ops import define_op
 
 LAYER_MAX_ROWS = 256
@@ -62,6 +64,7 @@ LAYER_MEMORY_SHARE = 0.1
 PLAN_ATTRIBUTE = "_contbatch_packed_plan"
 _handles = itertools.count()
 _packed: dict[int, torch.Tensor] = {}
+_heads: set[int] = set()
 _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDictionary()
 
 
@@ -70,7 +73,17 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear(x, weight, bias)`: through `F.linear` itself when `x` has more than `max_rows` rows (0: no limit),
     else through the packed copy of `weight` registered under `handle` (by `PackedLinear.refresh`, which the caller
     ran before the forward): by the panel kernel when `panels` asks for it and it is built, else by oneDNN (the
-    layout `refresh` packed in by the same rule)."""
+    layout `refresh` packed in by the same rule). For an output head in a step that asked for greedy tokens only,
+    the head screen's placeholder instead (`head_screen.screened_product`)."""
+    if handle in _heads:
+        screened = screened_product(x, weight, handle)
+        return screened if screened is not None else note_head_output(_product(x, weight, bias, handle, max_rows,
+                                                                                 panels))
+    return _product(x, weight, bias, handle, max_rows, panels)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, max_rows: int,
+             panels: bool) -> torch.Tensor:
     rows = math.prod(x.shape[:-1])
     if max_rows and rows > max_rows:
         return F.linear(x, weight, bias)
@@ -134,7 +147,7 @@ class PackedLinear(nn.Module):
     panel kernel when `panels` asks for them and the kernel is built, else in oneDNN's layout; a forward that
     needs grad, or whose input has another dtype than the weight, runs `F.linear`."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int, panels: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, max_rows: int, panels: bool = False, head: bool = False) -> None:
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
@@ -146,7 +159,9 @@ class PackedLinear(nn.Module):
         # plain references: `nn.Module.__getattr__` on a parameter costs microseconds, and every forward checks
         # a few hundred of these
         self._parameters_of: tuple[torch.Tensor, torch.Tensor | None] = (linear.weight, linear.bias)
-        weakref.finalize(self, _packed.pop, self.handle, None)
+        weakref.finalize(self, _forget_handle, self.handle)
+        if head:
+            _heads.add(self.handle)
 
     def stands_for(self, linear: nn.Linear) -> bool:
         own = linear._parameters
@@ -163,6 +178,7 @@ class PackedLinear(nn.Module):
             _packed[self.handle] = (pack_panels(detached) if panels
                                     else torch.ops.mkldnn._reorder_linear_weight(detached, None))
             self._packed_from = source
+            forget_screen(self.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
@@ -174,14 +190,21 @@ class PackedLinear(nn.Module):
         return product(x, weight, bias, self.handle, self.max_rows, self.panels)
 
     @classmethod
-    def for_linear(cls, linear: nn.Linear, max_rows: int = 0, panels: bool = False) -> PackedLinear:
+    def for_linear(cls, linear: nn.Linear, max_rows: int = 0, panels: bool = False, head: bool = False) -> PackedLinear:
         """The `PackedLinear` of `linear`: one per module while its parameters stay the same objects, so that a
-        compiled forward keeps seeing one module. It holds the parameters, not `linear`."""
+        compiled forward keeps seeing one module. It holds the parameters, not `linear`. `head`: the model's output
+        head, whose product may go through the head screen."""
         packed = _modules.get(linear)
         if (packed is None or not packed.stands_for(linear) or packed.max_rows != max_rows
-                or packed.panels != panels or packed.dtype != linear.weight.dtype):
-            packed = _modules[linear] = cls(linear, max_rows, panels)
+                or packed.panels != panels or packed.dtype != linear.weight.dtype or (packed.handle in _heads) != head):
+            packed = _modules[linear] = cls(linear, max_rows, panels, head)
         return packed
+
+
+def _forget_handle(handle: int) -> None:
+    _packed.pop(handle, None)
+    _heads.discard(handle)
+    forget_screen(handle)
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -246,7 +269,7 @@ class _Plan:
         sites = _layer_sites(model, head)
         swaps = [(parent, name, own, PackedLinear.for_linear(own, *_layer_kind(own)))
                  for parent, name, own in (sites if _packs_layers(sites) else [])]
-        packed_head = (PackedLinear.for_linear(head, *_head_kind(head))
+        packed_head = (PackedLinear.for_linear(head, *_head_kind(head), head=True)
                        if packing_applies(head) else None)
         return cls(setting, head, packed_head, swaps)
 

@@ -11,6 +11,7 @@ import torch
 from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
 from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.head_screen import allow_screen
 from contbatch.engine.model_runner import ModelRunner, PreparedBatch
 from contbatch.engine.outputs import ModelRunnerOutput, RequestDelta
 from contbatch.engine.request import RequestStatus
@@ -24,6 +25,13 @@ class InFlight:
 
     output: SchedulerOutput
     logits: Future[torch.Tensor]
+
+
+def _execute(runner: ModelRunner, output: SchedulerOutput, prepared: PreparedBatch | None) -> torch.Tensor:
+    """The runner's forward for a step whose logits go straight to `sample`: plain greedy steps may take the head
+    screen."""
+    with allow_screen():
+        return runner.execute(output, prepared)
 
 
 class ForwardWorker:
@@ -42,14 +50,14 @@ class ForwardWorker:
         if self.inline:
             launched: Future[torch.Tensor] = Future()
             try:
-                launched.set_result(runner.execute(output, prepared))
+                launched.set_result(_execute(runner, output, prepared))
             except Exception as error:  # a failing forward fails its batch when collected, as on the thread
                 launched.set_exception(error)
             return launched
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, "contbatch-forward", initializer=_forward_thread_setup,
                                                 initargs=(torch.get_num_threads(), runner.device))
-        return self._executor.submit(runner.execute, output, prepared)
+        return self._executor.submit(_execute, runner, output, prepared)
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -132,7 +140,7 @@ class StepPipeline:
             return self.beam_search.update(self._fail_unschedulable(), {})
         timer.scheduled(self.scheduler, scheduler_output)
         try:
-            logits = self.model_runner.execute(scheduler_output)
+            logits = _execute(self.model_runner, scheduler_output, None)
             timer.forwarded()
             runner_output = self.model_runner.sample(logits, scheduler_output)
         except Exception as error:  # a failing batch fails its own requests, never the engine

@@ -116,11 +116,20 @@ bool has_panel_gemm();
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const c10::optional<torch::Tensor>& bias);
 
+// head_screen.cpp
+std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden);
+torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
+                            const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
+bool has_vnni();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_rows", &write_rows, "store K/V rows at cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
+  m.def("screen_quantize", &screen_quantize, "hidden rows as int8 codes + 128, with their scale and error norms");
+  m.def("screen_tokens", &screen_tokens, "greedy tokens of the output head through the int8 screen");
+  m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }

@@ -69,6 +69,15 @@ struct Lanes8 {
   static V broadcast(const float* x) { return _mm256_broadcast_ss(x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+  static float max_lane(V x) { return hmax(x); }
+  // bit i set iff lane i of a >= lane i of b (false for NaN)
+  static uint32_t ge_mask(V a, V b) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ))); }
   // 8 lanes, lane i the sum of the lanes of `v` congruent to i mod 8
   static __m256 fold(V v) { return v; }
 };
@@ -87,6 +96,14 @@ struct Lanes16 {
   static V broadcast(const float* x) { return _mm512_set1_ps(*x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V abs(V x) { return _mm512_abs_ps(x); }
+  static float max_lane(V x) { return _mm512_reduce_max_ps(x); }
+  static uint32_t ge_mask(V a, V b) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ)); }
   static __m256 fold(V v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }

@@ -1,0 +1,213 @@
+// Greedy tokens from a float32 output head without its full float32 product: an int8 screen, then float32 logits for
+// the few tokens the screen cannot rule out.
+//
+// Head row j is W_j = s_j q_j + r_j (q_j int8 in [-127, 127], s_j = max |W_j| / 127), hidden row h = t p + e (p
+// int8 in [-127, 127], t = max |h| / 127). Then W_j.h = s_j t (q_j.p) + s_j (q_j.e) + r_j.h, and any float32 sum of
+// the K products W_jk h_k lies within gamma_K |W_j|_2 |h|_2 of W_j.h. So every float32 logit of token j lies within
+//   bound_j = a_j |e|_2 + c_j |h|_2,  a_j = s_j |q_j|_2,  c_j = |r_j|_2 + gamma_K |W_j|_2,
+// of approx_j = t s_j (q_j.p), whose integer product a VNNI int8 GEMM computes exactly (the caller's oneDNN product
+// gives s_j (q_j.p) in float32; its rounding, and this file's, are covered by a relative margin). A token whose upper
+// bound approx_j + bound_j is below the largest lower bound approx_i - bound_i cannot be the argmax of the float32
+// logits in any summation order; the others get a float32 logit here (one fixed order), and the first largest wins.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "simd.h"
+
+constexpr float kMargin = 1e-6f;  // relative: the float32 roundings of the scaled product and of the bounds
+
+// Rounds a non-negative double up to a float32 that is >= it.
+static inline float up(double x) {
+  const float f = static_cast<float>(x);
+  return static_cast<double>(f) >= x ? f : std::nextafter(f, INFINITY);
+}
+
+// hidden [B, K] float32 -> (codes [B, K] uint8 = p + 128, stats [B, 3] float32: t, |e|_2 and |h|_2, the two norms
+// rounded up). A row that is not finite gets t = NaN, which `screen_tokens` reports as -1.
+std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous());
+  const int64_t rows = hidden.size(0), k = hidden.size(1);
+  auto codes = torch::empty({rows, k}, hidden.options().dtype(torch::kUInt8));
+  auto stats = torch::empty({rows, 3}, hidden.options());
+  const float* h = hidden.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  float* st = stats.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* x = h + b * k;
+      double top = 0.0, norm = 0.0, err = 0.0;
+      bool finite = true;
+      for (int64_t i = 0; i < k; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        top = std::max(top, std::fabs(static_cast<double>(x[i])));
+      }
+      const double t = top > 0.0 ? top / 127.0 : 1.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double v = x[i];
+        const double p = finite ? std::clamp(std::nearbyint(v / t), -127.0, 127.0) : 0.0;
+        out[b * k + i] = static_cast<uint8_t>(static_cast<int>(p) + 128);
+        err += (v - t * p) * (v - t * p);
+        norm += v * v;
+      }
+      st[b * 3] = finite ? static_cast<float>(t) : NAN;
+      st[b * 3 + 1] = up(std::sqrt(err) * (1.0 + 1e-9));
+      st[b * 3 + 2] = up(std::sqrt(norm) * (1.0 + 1e-9));
+    }
+  });
+  return {codes, stats};
+}
+
+// A row's screen: approx_j = t scaled_j and bound_j = a_j err + c_j norm + kMargin |approx_j|, where err and norm
+// already carry a factor 1 + kMargin (the float32 roundings of these few operations are far smaller).
+struct Screen {
+  const float *scaled, *a, *c;
+  float t, err, norm;
+  int64_t vocab;
+
+  float bound(int64_t j, float x) const { return a[j] * err + c[j] * norm + kMargin * std::fabs(x); }
+};
+
+// Scalar tail of both passes: the largest lower bound of tokens [from, vocab), and those whose upper bound reaches
+// `lower` (when `out` is given).
+static float tail_pass(const Screen& s, int64_t from, float lower, std::vector<int64_t>* out) {
+  float best = -INFINITY;
+  for (int64_t j = from; j < s.vocab; ++j) {
+    const float x = s.t * s.scaled[j], bound = s.bound(j, x);
+    best = std::max(best, x - bound);
+    if (out != nullptr && x + bound >= lower) out->push_back(j);
+  }
+  return best;
+}
+
+#ifdef CONTBATCH_AVX2
+// Pass 1 over whole vectors: the largest lower bound; `done`: the tokens covered.
+template <typename S>
+static float vector_lower(const Screen& s, int64_t& done) {
+  using V = typename S::V;
+  const V t = S::set1(s.t), err = S::set1(s.err), norm = S::set1(s.norm), margin = S::set1(kMargin);
+  V best = S::set1(-INFINITY);
+  int64_t j = 0;
+  for (; j + S::kWidth <= s.vocab; j += S::kWidth) {
+    const V x = S::mul(t, S::load(s.scaled + j));
+    const V bound = S::fma(S::load(s.a + j), err, S::fma(S::load(s.c + j), norm, S::mul(margin, S::abs(x))));
+    best = S::max(best, S::sub(x, bound));
+  }
+  done = j;
+  return S::max_lane(best);
+}
+
+// Pass 2 over whole vectors: appends, in order, the tokens whose upper bound reaches `lower`.
+template <typename S>
+static void vector_candidates(const Screen& s, float lower, std::vector<int64_t>& out) {
+  using V = typename S::V;
+  const V t = S::set1(s.t), err = S::set1(s.err), norm = S::set1(s.norm), margin = S::set1(kMargin);
+  const V floor = S::set1(lower);
+  for (int64_t j = 0; j + S::kWidth <= s.vocab; j += S::kWidth) {
+    const V x = S::mul(t, S::load(s.scaled + j));
+    const V bound = S::fma(S::load(s.a + j), err, S::fma(S::load(s.c + j), norm, S::mul(margin, S::abs(x))));
+    for (uint32_t mask = S::ge_mask(S::add(x, bound), floor); mask != 0; mask &= mask - 1)
+      out.push_back(j + __builtin_ctz(mask));
+  }
+}
+
+// One float32 logit, W_j.h, in a fixed order (two chains of S's lanes, then a scalar tail).
+template <typename S>
+static float vector_logit(const float* w, const float* h, int64_t k) {
+  typename S::V a0 = S::zero(), a1 = S::zero();
+  int64_t i = 0;
+  for (; i + 2 * S::kWidth <= k; i += 2 * S::kWidth) {
+    a0 = S::fma(S::load(w + i), S::load(h + i), a0);
+    a1 = S::fma(S::load(w + i + S::kWidth), S::load(h + i + S::kWidth), a1);
+  }
+  float sum = hsum(S::fold(S::add(a0, a1)));
+  for (; i < k; ++i) sum += w[i] * h[i];
+  return sum;
+}
+#endif
+
+static float logit(const float* w, const float* h, int64_t k) {
+#if defined(CONTBATCH_AVX512)
+  return vector_logit<Lanes16>(w, h, k);
+#elif defined(CONTBATCH_AVX2)
+  return vector_logit<Lanes8>(w, h, k);
+#else
+  float sum = 0.f;
+  for (int64_t i = 0; i < k; ++i) sum += w[i] * h[i];
+  return sum;
+#endif
+}
+
+// The tokens of one row that the screen cannot rule out, in order.
+static void candidates(const Screen& s, std::vector<int64_t>& out) {
+  out.clear();
+  int64_t done = 0;
+  float lower = -INFINITY;
+#if defined(CONTBATCH_AVX512)
+  lower = vector_lower<Lanes16>(s, done);
+#elif defined(CONTBATCH_AVX2)
+  lower = vector_lower<Lanes8>(s, done);
+#endif
+  lower = std::max(lower, tail_pass(s, done, INFINITY, nullptr));
+#if defined(CONTBATCH_AVX512)
+  vector_candidates<Lanes16>(s, lower, out);
+#elif defined(CONTBATCH_AVX2)
+  vector_candidates<Lanes8>(s, lower, out);
+#endif
+  tail_pass(s, done, lower, &out);
+}
+
+// The greedy token of one hidden row h: the first candidate with the largest float32 logit; -1 when h is not finite.
+static int64_t screen_row(const Screen& s, const float* h, const float* w, int64_t k, std::vector<int64_t>& found) {
+  if (!std::isfinite(s.t)) return -1;
+  candidates(s, found);
+  int64_t best = -1;
+  float best_logit = -INFINITY;
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (i + 1 < found.size()) {
+      const float* next = w + found[i + 1] * k;
+      for (int64_t d = 0; d < k; d += 16) __builtin_prefetch(next + d, 0, 3);
+    }
+    const float value = logit(w + found[i] * k, h, k);
+    if (best < 0 || value > best_logit) {
+      best = found[i];
+      best_logit = value;
+    }
+  }
+  return best;
+}
+
+// scaled [B, V] float32 = s_j (q_j.p_b); stats [B, 3] from `screen_quantize`; a, c [V] float32; hidden [B, K] and
+// weight [V, K] float32. Returns [B] int64: each row's greedy token, -1 where its hidden row is not finite.
+torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
+                            const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight) {
+  TORCH_CHECK(scaled.scalar_type() == torch::kFloat32 && scaled.is_contiguous() && scaled.dim() == 2);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && hidden.is_contiguous());
+  const int64_t rows = scaled.size(0), vocab = scaled.size(1), k = hidden.size(1);
+  TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == k && a.numel() == vocab && c.numel() == vocab);
+  auto tokens = torch::empty({rows}, scaled.options().dtype(torch::kInt64));
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const float *scaled_rows = scaled.data_ptr<float>(), *st = stats.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> found;
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = st + b * 3;
+      const Screen s{scaled_rows + b * vocab, a.data_ptr<float>(), c.data_ptr<float>(), row[0],
+                     row[1] * (1.f + kMargin), row[2] * (1.f + kMargin), vocab};
+      out[b] = screen_row(s, hidden.data_ptr<float>() + b * k, weight.data_ptr<float>(), k, found);
+    }
+  });
+  return tokens;
+}
+
+// Whether the build targets a CPU with VNNI (AVX512-VNNI or AVX-VNNI): int8 products that accumulate into int32
+// without the int16 saturation of older int8 instructions, at several times the float32 FMA rate.
+bool has_vnni() {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  return true;
+#else
+  return false;
+#endif
+}

@@ -1,0 +1,223 @@
+"""Greedy tokens from a float32 output head through an int8 screen, on CPUs with VNNI.
+
+A greedy decode step needs only the argmax of each logits row, and the head's product is the largest of the step
+(49,152 x 576 for the embedded model). Where the CPU has VNNI, oneDNN's int8 product runs at about 3x its float32
+one. The screen quantises the head's rows to int8 (once per weight version) and each hidden row to int8, and gets
+from the exact integer product an approximation of every logit with a rigorous bound on its distance to any
+float32 evaluation of the logit (`csrc/head_screen.cpp` states it). Only the tokens whose upper bound reaches the
+best lower bound can be the argmax; they get a float32 logit, and the first largest is the token: the argmax of the
+float32 logits up to the summation order of the product, as with any GEMM library.
+
+Within `allow_screen` (the engine's steps, whose logits go straight to sampling), the model runner asks for it
+(`screen_request`) for a step whose every sampling row is plain greedy (no sampling,
+processors, logprobs, grammar or beams) and which computes no other logits rows. The head's packed product
+(`packed_weights`) then calls `screened_product`, which stores the tokens in the request and returns an
+uninitialised logits tensor of the right shape: nothing may read it. The runner screens only a model whose forward
+returns the head's output itself as its logits, which its first plain greedy step shows (the head's product notes
+its output, `note_head_output`): a model that transforms its logits after the head (a soft cap, a scale) is never
+screened.
+
+Off where the kernels lack VNNI, where oneDNN's quantised product is missing or fails its self-check at packing
+(int32 products checked exactly on extreme inputs), for non-float32 heads, and with `CONTBATCH_HEAD_SCREEN=0`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from contbatch.engine.batch import SamplingTarget
+from contbatch.engine.cpu_kernels import kernel_module
+
+logger = logging.getLogger(__name__)
+_EPS32 = 2.0**-24
+_local = threading.local()
+_screens: dict[int, HeadScreen | None] = {}
+
+
+@dataclass
+class HeadScreen:
+    """The int8 head of one weight version: `packed` (oneDNN's layout), per-row `scales` s_j, and the bound's
+    coefficients a_j = s_j |q_j|_2 and c_j = |r_j|_2 + gamma_K |W_j|_2, rounded up to float32."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor
+    a: torch.Tensor
+    c: torch.Tensor
+
+
+@dataclass
+class ScreenRequest:
+    """A forward's request to the head's packed product. `screen`: screen (else only note the head's output).
+    The product leaves the greedy tokens of every row of its input (when it screened) and its output: the
+    placeholder it returned, or the logits it computed."""
+
+    screen: bool
+    tokens: torch.Tensor | None = None
+    head_output: torch.Tensor | None = None
+
+
+@contextmanager
+def screen_request(screen: bool) -> Iterator[ScreenRequest]:
+    """Within the block, the head's packed product on this thread reports to the yielded request, and screens when
+    `screen` asks and it can."""
+    request = ScreenRequest(screen)
+    previous = getattr(_local, "request", None)
+    _local.request = request
+    try:
+        yield request
+    finally:
+        _local.request = previous
+
+
+@contextmanager
+def allow_screen() -> Iterator[None]:
+    """Within the block, `ModelRunner.execute` on this thread may serve plain greedy steps through the screen: its
+    caller hands the logits to `sample` only (the engine's steps)."""
+    previous = getattr(_local, "allowed", False)
+    _local.allowed = True
+    try:
+        yield
+    finally:
+        _local.allowed = previous
+
+
+def screen_allowed() -> bool:
+    """Whether this thread is inside `allow_screen`."""
+    return bool(getattr(_local, "allowed", False))
+
+
+@functools.cache
+def screen_supported() -> bool:
+    """Whether the screen can run here: the kernels built with VNNI, oneDNN's quantised linear present, and not
+    disabled by `CONTBATCH_HEAD_SCREEN=0`."""
+    module = kernel_module()
+    return (os.environ.get("CONTBATCH_HEAD_SCREEN", "1") != "0" and module is not None and module.has_vnni()
+            and hasattr(torch.ops.onednn, "qlinear_prepack") and torch.backends.mkldnn.is_available())
+
+
+def forget(handle: int) -> None:
+    """Drops the screen of the head registered under `handle` (its weight changed); the next screened product
+    builds it again."""
+    _screens.pop(handle, None)
+
+
+def screened_product(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor | None:
+    """The head's output for a screened step: when this thread asked (`screen_request`) and the screen applies to
+    `weight` (float32, screen built for `handle`), stores the greedy token of every row of `x` in the request and
+    returns an uninitialised [*x.shape[:-1], vocab] tensor; else None (the caller computes the logits)."""
+    request: ScreenRequest | None = getattr(_local, "request", None)
+    if (request is None or not request.screen or weight.dtype != torch.float32 or x.dtype != torch.float32
+            or not screen_supported()):
+        return None
+    if handle not in _screens:
+        _screens[handle] = build_screen(weight.detach())
+    screen = _screens[handle]
+    if screen is None:
+        return None
+    hidden = x.reshape(-1, x.shape[-1]).contiguous()
+    request.tokens = screen_tokens(hidden, weight.detach(), screen)
+    request.head_output = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return request.head_output
+
+
+def note_head_output(output: torch.Tensor) -> torch.Tensor:
+    """Returns `output`, the logits the head's packed product computed, first noting them in this thread's
+    request, if any."""
+    request: ScreenRequest | None = getattr(_local, "request", None)
+    if request is not None and request.head_output is None:
+        request.head_output = output
+    return output
+
+
+def screen_tokens(hidden: torch.Tensor, weight: torch.Tensor, screen: HeadScreen) -> torch.Tensor:
+    """[rows] int64: the greedy token of each row of `hidden` [rows, K] (float32, contiguous) under the head
+    `weight` [V, K], -1 for a row that is not finite."""
+    module = kernel_module()
+    codes, stats = module.screen_quantize(hidden)
+    scaled = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, screen.packed, screen.scales, screen.zero_points,
+                                                None, 1.0, 0, torch.float32, "none", [], "")
+    return module.screen_tokens(scaled, stats, screen.a, screen.c, hidden, weight.contiguous())
+
+
+def build_screen(weight: torch.Tensor) -> HeadScreen | None:
+    """The screen of a float32 head `weight` [V, K], or None (logged) when its weights are not finite or oneDNN's
+    quantised product fails the self-check."""
+    if not bool(torch.isfinite(weight).all()):
+        return None
+    wide = weight.double()
+    scales = (wide.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = _round_up(scales).double()
+    codes = torch.round(wide / scales[:, None]).clamp(-127, 127)
+    residual = wide - scales[:, None] * codes
+    k = weight.shape[1]
+    gamma = k * _EPS32 / (1 - k * _EPS32)
+    a = _round_up(scales * codes.norm(dim=1) * (1 + 1e-9))
+    c = _round_up((residual.norm(dim=1) + gamma * wide.norm(dim=1)) * (1 + 1e-9))
+    int8 = codes.to(torch.int8)
+    screen = HeadScreen(torch.ops.onednn.qlinear_prepack(int8, None), scales.float(),
+                        torch.zeros(weight.shape[0], dtype=torch.long), a, c)
+    if not _products_exact(screen, int8):
+        logger.warning("contbatch: oneDNN's int8 product failed the head screen's check; computing full logits")
+        return None
+    return screen
+
+
+def _round_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> the float32 values >= them."""
+    down = values.float()
+    return torch.where(down.double() >= values, down, torch.nextafter(down, torch.full_like(down, float("inf"))))
+
+
+def _products_exact(screen: HeadScreen, int8: torch.Tensor) -> bool:
+    """Whether oneDNN's product of the packed weight gives s_j (q_j . p) to float32 rounding, for the extreme codes
+    (every p = 127, every p = -127, alternating) and random ones: int8 products that saturate an int16 sum (older
+    instructions) or lose the zero point would fail."""
+    rows = 64
+    k = int8.shape[1]
+    codes = torch.stack([torch.full((k,), 127), torch.full((k,), -127), (torch.arange(k) % 2) * 254 - 127,
+                         *torch.randint(-127, 128, (rows - 3, k), generator=torch.Generator().manual_seed(0))])
+    scaled = torch.ops.onednn.qlinear_pointwise((codes + 128).to(torch.uint8), 1.0, 128, screen.packed,
+                                                screen.scales, screen.zero_points, None, 1.0, 0, torch.float32,
+                                                "none", [], "")
+    exact = (codes.double() @ int8.double().T) * screen.scales.double()
+    return bool(((scaled.double() - exact).abs() <= 4 * _EPS32 * exact.abs() + 1e-30).all())
+
+
+def plain_greedy(targets: Sequence[SamplingTarget]) -> bool:
+    """Whether every target takes the argmax of its raw logits and reports nothing else (no sampling, beams,
+    processors, logprobs or grammar): the steps the screen may serve."""
+    return all(not t.params.do_sample and t.params.num_beams == 1 and not t.params.logprobs
+               and not t.params.top_logprobs and not t.params.uses_processors and t.matcher is None
+               for t in targets)
+
+
+def screened_forward(forward: Callable[[], torch.Tensor], rows: int,
+                     head_is_final: bool | None) -> tuple[torch.Tensor, torch.Tensor | None, bool | None]:
+    """Runs `forward` (returning [>= rows, vocab] logits) of a plain greedy step. `head_is_final`: whether the
+    model returns the head's output as its logits (None: not known yet). Returns (logits, tokens, head_is_final):
+    where it is known True, the step asks for the screen, and tokens [rows] come back when the screen served it,
+    the logits then being its placeholder (never to be read); else the logits are real, from a forward that only
+    notes what the head returned (which settles `head_is_final`), or from a second forward without the screen
+    when a screened row was not finite."""
+    with screen_request(screen=head_is_final is True) as request:
+        logits = forward()
+    output = request.head_output
+    if output is None or output.numel() == 0:  # empty tensors share no storage to compare
+        return logits, None, head_is_final
+    final = (logits.data_ptr() == output.data_ptr() and logits.dtype == output.dtype
+             and logits.shape[-1] == output.shape[-1] and logits.stride()[-2:] == output.stride()[-2:])
+    tokens = request.tokens
+    if tokens is None:
+        return logits, None, final
+    if final and len(tokens) >= rows and bool((tokens[:rows] >= 0).all()):
+        return logits, tokens[:rows], True
+    return forward(), None, final

@@ -1,0 +1,116 @@
+"""The head screen: greedy tokens of a float32 head through an int8 product and float32 logits for the candidates,
+equal to the argmax of the float32 logits; and the engine serving only plain greedy steps of models that return
+the head's output as their logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from contbatch.engine import head_screen
+from contbatch.engine.head_screen import build_screen, screen_supported, screen_tokens
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+
+pytestmark = pytest.mark.skipif(not screen_supported(), reason="the head screen needs the kernels built with VNNI")
+
+
+@pytest.fixture
+def screened_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts the screen's calls: one entry, the number of `screen_tokens` calls so far."""
+    calls = [0]
+    original = head_screen.screen_tokens
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(head_screen, "screen_tokens", counted)
+    yield calls
+
+
+def _head_and_hidden(vocab: int, k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random head with rows 7 and 11 equal and row 12 within 1e-7 of them, and hidden rows with a few large
+    dimensions (as a model's final hidden states have); half the rows point along head row 7."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, k, generator=generator) * 0.1
+    weight[11] = weight[7]
+    weight[12] = weight[7] + 1e-7 * torch.randn(k, generator=generator)
+    hidden = torch.randn(rows, k, generator=generator)
+    hidden[:, :3] *= 20
+    hidden[: rows // 2] += 30 * weight[7] / weight[7].norm()
+    return weight, hidden.contiguous()
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(1000, 64), (1003, 72), (4099, 576)])
+def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int) -> None:
+    weight, hidden = _head_and_hidden(vocab, k, 64)
+    screen = build_screen(weight)
+    assert screen is not None
+    tokens = screen_tokens(hidden, weight, screen)
+    exact = hidden.double() @ weight.double().T
+    top2 = exact.topk(2, dim=1)
+    clear = top2.values[:, 0] - top2.values[:, 1] > 1e-3
+    assert clear.sum() > 10
+    assert torch.equal(tokens[clear], exact.argmax(dim=1)[clear])
+    assert torch.equal(tokens[clear], (hidden @ weight.T).argmax(dim=1)[clear])
+    # rows along head row 7: 7 and 11 tie exactly and 12 is within rounding; the first of the float32 maximum wins
+    tied = exact[:, 7] >= exact.amax(dim=1) - 1e-4
+    assert tied.sum() > 5
+    assert set(tokens[tied].tolist()) <= {7, 12}
+
+
+def test_a_row_that_is_not_finite_gets_no_token() -> None:
+    weight, hidden = _head_and_hidden(512, 64, 4)
+    hidden[1, 5] = float("nan")
+    hidden[2, 0] = float("inf")
+    screen = build_screen(weight)
+    assert screen is not None
+    tokens = screen_tokens(hidden, weight, screen)
+    assert tokens[1] == tokens[2] == -1
+    assert tokens[0] == (hidden[0] @ weight.T).argmax() and tokens[3] == (hidden[3] @ weight.T).argmax()
+
+
+def test_a_head_that_is_not_finite_is_not_screened() -> None:
+    weight, _ = _head_and_hidden(512, 64, 4)
+    weight[3, 3] = float("inf")
+    assert build_screen(weight) is None
+
+
+def test_plain_greedy_steps_are_screened_and_equal_generate(screened_calls: list[int]) -> None:
+    model = tiny_model("llama", "cpu")
+    prompts = random_prompts([5, 17, 3, 40, 9, 26])
+    with make_engine(model, max_batch_tokens=32) as engine:
+        for index, prompt in enumerate(prompts):
+            engine.add(engine.make_request(prompt, str(index), max_new_tokens=12))
+        outputs = run_engine(engine)
+        assert engine.model_runner.head_is_final
+    assert screened_calls[0] > 0
+    for index, prompt in enumerate(prompts):
+        assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 12)
+
+
+def test_steps_that_need_logits_are_not_screened(screened_calls: list[int]) -> None:
+    model = tiny_model("llama", "cpu")
+    prompts = random_prompts([6, 11])
+    with make_engine(model) as engine:
+        engine.add(engine.make_request(prompts[0], "logprobs", max_new_tokens=6, logprobs=True))
+        engine.add(engine.make_request(prompts[1], "penalty", max_new_tokens=6, repetition_penalty=1.3))
+        outputs = run_engine(engine)
+    assert screened_calls[0] == 0
+    assert outputs["logprobs"].generated_tokens == reference_generate(model, prompts[0], 6)
+    assert len(outputs["logprobs"].logprobs or []) == 6
+
+
+def test_a_model_that_transforms_its_logits_is_never_screened(screened_calls: list[int]) -> None:
+    model = tiny_model("gemma2-softcap", "cpu")  # logits soft-capped after the head
+    prompts = random_prompts([7, 12, 4])
+    with make_engine(model) as engine:
+        for index, prompt in enumerate(prompts):
+            engine.add(engine.make_request(prompt, str(index), max_new_tokens=8))
+        outputs = run_engine(engine)
+        assert engine.model_runner.head_is_final is False
+    assert screened_calls[0] == 0
+    for index, prompt in enumerate(prompts):
+        assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 8)
