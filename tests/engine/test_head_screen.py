@@ -11,7 +11,7 @@ import torch
 
 from contbatch.engine import head_screen
 from contbatch.engine.head_screen import build_screen, screen_supported, screen_tokens
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not screen_supported(), reason="the head screen needs the kernels built with VNNI")
 
@@ -114,3 +114,18 @@ def test_a_model_that_transforms_its_logits_is_never_screened(screened_calls: li
     assert screened_calls[0] == 0
     for index, prompt in enumerate(prompts):
         assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 8)
+
+
+def test_a_compiled_forward_is_screened_too(screened_calls: list[int]) -> None:
+    """The head's product is an opaque op in the compiled graph: the screen serves the step inside it."""
+    torch._dynamo.reset()
+    model = fresh_tiny_model("llama", "cpu")
+    prompts = random_prompts([4, 19, 8])
+    with make_engine(model, block_size=4, num_blocks=100, use_default_compile_configs=True) as engine:
+        for index, prompt in enumerate(prompts):
+            engine.add(engine.make_request(prompt, str(index), max_new_tokens=7))
+        outputs = run_engine(engine)
+        assert engine.model_runner.compiled is not None and engine.model_runner.head_is_final
+    assert screened_calls[0] > 0
+    for index, prompt in enumerate(prompts):
+        assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 7)
