@@ -129,3 +129,15 @@ def test_a_compiled_forward_is_screened_too(screened_calls: list[int]) -> None:
     assert screened_calls[0] > 0
     for index, prompt in enumerate(prompts):
         assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 7)
+
+
+def test_the_self_check_rejects_a_product_that_is_not_the_weights() -> None:
+    """`_products_exact` compares oneDNN's product with exact integer products: a packed weight that does not hold
+    the int8 codes it is checked against fails it."""
+    weight, _ = _head_and_hidden(512, 64, 4)
+    screen = build_screen(weight)
+    assert screen is not None
+    codes = torch.round(weight.double() / screen.scales.double()[:, None]).clamp(-127, 127).to(torch.int8)
+    assert head_screen._products_exact(screen, codes)
+    codes[3, 5] += 1 if codes[3, 5] < 127 else -1
+    assert not head_screen._products_exact(screen, codes)
