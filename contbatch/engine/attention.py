@@ -2,9 +2,10 @@
 
 The model runner switches the model to `ATTENTION_NAME` and passes a `PagedAttentionMetadata` as the forward
 keyword `METADATA_KWARG`; transformers hands every keyword down to the attention function of each layer. There,
-the layer's new K/V are written into their cache slots and each request attends over its own context, gathered
-from its blocks. Requests are attended in at most two padded groups (those computing one token and those computing
-several), so the work per layer is a handful of tensor ops whatever the number of requests.
+the layer's new K/V are written into their cache slots and each request attends over its own context. Requests are
+attended in a few padded groups (`attention_groups`), so the work per layer is a handful of calls whatever the
+number of requests. On CPU a kernel reads every group's keys straight from the cache, each query row over its own
+key range (decode and prefill alike); elsewhere the keys are gathered from the blocks for SDPA.
 
 The model stays a normal model while attached: a forward without the metadata keyword (training, `generate`, a
 reference forward, another thread's forward while a step runs) goes to the attention and mask functions of the
@@ -53,6 +54,7 @@ class KeyLayout:
     length: int
     first: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _ranges: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def mask(self, query_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         """[batch, 1, num_queries, length] bool: query at position q sees key k iff k <= q and, with a window W,
@@ -65,9 +67,28 @@ class KeyLayout:
             self._masks[sliding_window] = allowed.unsqueeze(1)
         return self._masks[sliding_window]
 
+    def row_ranges(self, query_positions: torch.Tensor, sliding_window: int | None,
+                   real_queries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lengths, first), each [batch * num_queries]: query row r reads the keys [first[r], lengths[r]) of
+        this layout (counted from its `first`), the same keys `mask` allows it. A padding row (not in
+        `real_queries`) reads its last key only: its output is dropped. Built once per step for each window."""
+        if sliding_window not in self._ranges:
+            lengths = query_positions + 1
+            first = (lengths - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lengths)
+            if self.first is not None:
+                lengths, first = lengths - self.first.unsqueeze(1), first - self.first.unsqueeze(1)
+            lengths, first = lengths.reshape(-1), first.reshape(-1)
+            if real_queries is not None:
+                padding = torch.ones_like(lengths, dtype=torch.bool).index_fill_(0, real_queries, False)
+                first = torch.where(padding, lengths - 1, first)
+            self._ranges[sliding_window] = (lengths, first)
+        return self._ranges[sliding_window]
+
     def forget_masks(self) -> None:
-        """Drops the masks built so far: the next `mask` call computes them again."""
+        """Drops the masks and row ranges built so far: the next `mask` or `row_ranges` call computes them
+        again."""
         self._masks.clear()
+        self._ranges.clear()
 
 
 @dataclass
@@ -197,15 +218,12 @@ def _attend_group(
     batch, num_queries, context = group.batch_size, group.num_queries, layout.length
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     q = queries.contiguous() if group.whole_batch else queries.index_select(0, group.query_rows)
-    kernel = _decode_kernel_for(group, q, cache)
+    kernel = _cpu_kernel_for(q, cache)
     if kernel is not None:
-        lengths = group.query_positions[:, 0] + 1
-        first = (lengths - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lengths)
-        if layout.first is not None:  # the kernel indexes slots from the layout's first position
-            lengths, first = lengths - layout.first, first - layout.first
+        lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries)
         scale = head_dim**-0.5 if scaling is None else scaling
-        slots = kv_slots.view(batch, context)
-        return kernel(q, cache.keys[layer], cache.values[layer], slots, lengths, first, scale, softcap or 0.0)
+        return kernel(q, cache.keys[layer], cache.values[layer], kv_slots.view(batch, context), lengths, first,
+                      scale, softcap or 0.0, num_queries)
     keys, values = cache.gather(layer, kv_slots, batch, context)
     q = q.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -219,10 +237,10 @@ def _attend_group(
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
 
 
-def _decode_kernel_for(group: AttentionGroup, q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
-    """The CPU decode kernel when it applies: one query per request, on CPU, the query and the cache both float32
-    or both bfloat16, and the kernel built."""
-    if group.num_queries != 1 or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+def _cpu_kernel_for(q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
+    """The CPU attention kernel (decode and prefill rows) when it applies: on CPU, the query and the cache both
+    float32 or both bfloat16, and the kernel built."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None
     if cache.spec.dtype != q.dtype:
         return None

@@ -109,3 +109,46 @@ def test_attention_output_is_contiguous_in_steps_of_several_groups(monkeypatch: 
     assert max(groups_seen) > 1
     for prompt, output in zip(prompts, outputs.values(), strict=True):
         assert output.generated_tokens == reference_generate(model, prompt, 5)
+
+
+def test_kernel_row_ranges_are_the_masks_keys() -> None:
+    """Each real query row of a padded group reads exactly the keys its mask allows, full attention and sliding
+    window alike (the window's layout starting past 0); a padding row reads one key."""
+    from contbatch.engine.attention_groups import attention_group
+
+    counts, starts = torch.tensor([5, 1, 3, 4]), torch.tensor([0, 9, 14, 2])
+    block_tables = torch.arange(2 * 4 * 6).view(2, 4, 6)
+    group = attention_group(torch.tensor([0, 2, 3]), counts, starts, torch.tensor([0, 5, 6, 9]), block_tables, 4,
+                            (None, 3))
+    for layout, window in zip(group.layouts, (None, 3), strict=True):
+        mask = layout.mask(group.query_positions, window)[:, 0].reshape(-1, layout.length)
+        lengths, first = layout.row_ranges(group.query_positions, window, group.real_queries)
+        assert group.real_queries is not None
+        padding = torch.ones(len(lengths), dtype=torch.bool).index_fill_(0, group.real_queries, False)
+        for row in range(len(lengths)):
+            keys = mask[row].nonzero().squeeze(1).tolist()
+            assert (lengths[row] - first[row] == 1) if padding[row] else keys == list(range(first[row], lengths[row]))
+    assert group.layouts[1].first is not None
+
+
+def test_prefill_groups_go_through_the_cpu_kernel(monkeypatch: Any) -> None:
+    """On CPU the multi-token groups (padded ones included) attend through the kernel, with parity."""
+    from contbatch.engine import attention, cpu_kernels
+
+    kernel = cpu_kernels.paged_decode_kernel()
+    assert kernel is not None
+    queries_per_request: list[int] = []
+
+    def counted(*args: Any) -> torch.Tensor:
+        queries_per_request.append(args[-1])
+        return kernel(*args)
+
+    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: counted)
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 40, 37, 9, 64, 2, 18], seed=11)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None)
+    outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8, max_batch_tokens=96),
+                             progress_bar=False)
+    assert max(queries_per_request) > 1 and min(queries_per_request) == 1
+    for index, prompt in enumerate(prompts):
+        assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 6)

@@ -1,5 +1,5 @@
-"""The CPU kernels: paged decode attention against attention computed with plain torch ops on gathered K/V, and
-the K/V row write against `index_copy_`."""
+"""The CPU kernels: paged attention (decode and prefill rows) against attention computed with plain torch ops on
+gathered K/V, and the K/V row write against `index_copy_`."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ BLOCK = 16
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-              lengths: torch.Tensor, first: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """[B, H, D] attention of each request's query over its positions first..length-1, in float64."""
+              lengths: torch.Tensor, first: torch.Tensor, scale: float, softcap: float,
+              queries_per_request: int = 1) -> torch.Tensor:
+    """[R, H, D] attention of each query row r over positions first[r]..lengths[r]-1 of its request's slots
+    (request r // queries_per_request), in float64."""
     batch, heads, _ = query.shape
     group = heads // keys.shape[0]
     out = torch.empty(query.shape, dtype=torch.float64)
     for b in range(batch):
-        rows = slots[b, int(first[b]):int(lengths[b])]
+        rows = slots[b // queries_per_request, int(first[b]):int(lengths[b])]
         k = keys[:, rows].double().repeat_interleave(group, 0)
         v = values[:, rows].double().repeat_interleave(group, 0)
         logits = torch.einsum("hd,hnd->hn", query[b].double(), k) * scale
@@ -57,11 +59,47 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
     scale = dim**-0.5
     query, keys, values = query.to(dtype), keys.to(dtype), values.to(dtype)
-    got = kernel(query, keys, values, slots, lengths, first, scale, softcap)
+    got = kernel(query, keys, values, slots, lengths, first, scale, softcap, 1)
     expected = reference(query, keys, values, slots, lengths, first, scale, softcap)
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "dim", "window"), [(3, 3, 64, 0), (2, 2, 24, 0), (1, 4, 32, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_attends_prefill_rows_causally(kv_heads: int, group: int, dim: int, window: int,
+                                             dtype: torch.dtype) -> None:
+    """Chunks of query rows per request (`queries_per_request`), row i of a chunk starting at position s reading
+    positions up to s + i (from s + i - window + 1 with a window): each row as attention over exactly its keys.
+    One long chunk beside short ones: the threads' split by work must still cover every row once."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(dim + window)
+    starts, chunk = torch.tensor([0, 5, 90]), 37
+    num_blocks = 40
+    width = int(starts.max()) + chunk
+    keys = (torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=generator) * 2).to(dtype)
+    values = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=generator).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[: -(-width // BLOCK)] for _ in starts])
+    positions = torch.arange(width)
+    slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
+    lengths = (starts.unsqueeze(1) + torch.arange(chunk) + 1).reshape(-1)
+    first = (lengths - window).clamp(min=0) if window else torch.zeros_like(lengths)
+    query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
+    got = kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk)
+    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_kernel_refuses_slots_for_another_number_of_rows() -> None:
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    keys = torch.zeros(1, 64, 16)
+    with pytest.raises(RuntimeError, match="slots for 6 query rows, 4 per request, got 2 rows"):
+        kernel(torch.zeros(6, 2, 16), keys, keys, torch.zeros(2, 8, dtype=torch.long), torch.ones(6, dtype=torch.long),
+               torch.zeros(6, dtype=torch.long), 0.25, 0.0, 4)
 
 
 def test_kernel_runs_on_every_torch_thread() -> None:

@@ -109,7 +109,7 @@ int64_t parallel_threads() {
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                      const torch::Tensor& value_cache, const torch::Tensor& slots,
                                      const torch::Tensor& lengths, const torch::Tensor& first, double scale,
-                                     double softcap);
+                                     double softcap, int64_t queries_per_request);
 
 // panel_gemm.cpp
 bool has_panel_gemm();
@@ -124,7 +124,7 @@ bool has_vnni();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_rows", &write_rows, "store K/V rows at cache slots");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged attention of query rows (CPU)");
   m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");

@@ -1,9 +1,12 @@
-// contbatch's paged attention for requests that compute one query token (decode), on CPU. The cache holds float32 or
-// bfloat16 (each bfloat16 row widened to float32 as it is read, exactly); the arithmetic is float32 either way, and a
-// bfloat16 query's output is rounded to bfloat16 once, at the end.
+// contbatch's paged attention on CPU, for query rows that each attend to their own range of one request's keys: a
+// decode step's one query per request, or the causal rows of a prefill chunk (row i of a chunk starting at position
+// s reads positions up to s + i, in the cache already, as the layer writes its new keys first). The cache holds
+// float32 or bfloat16 (each bfloat16 row widened to float32 as it is read, exactly); the arithmetic is float32
+// either way, and a bfloat16 query's output is rounded to bfloat16 once, at the end.
 //
 // The kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
-// (request, kv head), the query heads of a GQA group sharing every key and value row they read.
+// (query row, kv head), the query heads of a GQA group sharing every key and value row they read; the threads take
+// contiguous ranges of tasks of about equal work.
 //
 // With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes. The
 // first computes every score, 8 positions at a time: with AVX-512, each key row is loaded once for up to 3 query
@@ -248,19 +251,39 @@ static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float
 }
 #endif
 
+// The bounds of `parts` contiguous ranges of [0, batch * kv_heads) tasks with about equal work each, a task's work
+// being the positions its row reads plus a constant: rows of one prefill grow in length, and an even split by count
+// would give the last thread most of the work.
+static std::vector<int64_t> balanced_parts(const int64_t* length, const int64_t* start, int64_t batch,
+                                           int64_t kv_heads, int64_t parts) {
+  constexpr int64_t kTaskCost = 16;
+  std::vector<int64_t> cost(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) cost[b + 1] = cost[b] + length[b] - start[b] + kTaskCost;
+  std::vector<int64_t> bounds(parts + 1, batch * kv_heads);
+  bounds[0] = 0;
+  for (int64_t p = 1, b = 0; p < parts; ++p) {
+    while (b < batch && cost[b + 1] * parts <= cost[batch] * p) ++b;
+    bounds[p] = b * kv_heads;
+  }
+  return bounds;
+}
+
 template <typename T>
-static void decode_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
+static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
-                         int64_t dim, int64_t num_slots, int64_t max_len, float scale, float softcap) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+                         int64_t dim, int64_t num_slots, int64_t max_len, int64_t rows_per_slot_row, float scale,
+                         float softcap) {
+  const int64_t group = heads / kv_heads, parts = std::max<int64_t>(1, at::get_num_threads());
+  const std::vector<int64_t> bounds = balanced_parts(length, start, batch, kv_heads, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> scratch_a, scratch_b;
     const auto make = [&](int64_t task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                     slot + b * max_len, start[b], length[b], group, dim, scale, softcap,
+                     slot + b / rows_per_slot_row * max_len, start[b], length[b], group, dim, scale, softcap,
                      out + (b * heads + h * group) * dim};
     };
+    const int64_t begin = bounds[part_begin], end = bounds[part_end];
     for (int64_t task = begin; task < end; ++task) {
       const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
       const Task<T>* next = task + 1 < end ? &following : nullptr;
@@ -281,13 +304,15 @@ static void decode_tasks(const float* q, const T* k, const T* v, const int64_t* 
   });
 }
 
-// query: [B, H, D]; key_cache, value_cache: [KVH, S, D] (head-major slots), float32 or bfloat16, of the query's
-// dtype; slots: [B, L] cache slot of each request's positions 0..L-1; lengths: [B] keys each request attends to;
-// first: [B] first visible position (sliding window). Returns [B, H, D] in the query's dtype.
+// query: [R, H, D], R = B * queries_per_request rows, request b's queries at rows b * queries_per_request on;
+// key_cache, value_cache: [KVH, S, D] (head-major slots), float32 or bfloat16, of the query's dtype; slots: [B, L]
+// cache slot of each request's positions 0..L-1; lengths: [R] the keys each row attends to (positions below
+// lengths[r], causal prefill rows included); first: [R] each row's first visible position (sliding window). A
+// decode step is one query per request. Returns [R, H, D] in the query's dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                      const torch::Tensor& value_cache, const torch::Tensor& slots,
                                      const torch::Tensor& lengths, const torch::Tensor& first, double scale,
-                                     double softcap) {
+                                     double softcap, int64_t queries_per_request) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
@@ -295,6 +320,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(slots.is_contiguous() && slots.dtype() == torch::kInt64);
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
+  TORCH_CHECK(queries_per_request >= 1 && slots.size(0) * queries_per_request == batch, "slots for ", batch,
+              " query rows, ", queries_per_request, " per request, got ", slots.size(0), " rows");
+  TORCH_CHECK(lengths.numel() == batch && first.numel() == batch, "a length and a first position for each row");
   const torch::Tensor q32 = query.to(torch::kFloat32);
   auto output = torch::empty_like(q32);
   const float* q = q32.data_ptr<float>();
@@ -304,11 +332,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   float* out = output.data_ptr<float>();
   const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
   if (dtype == torch::kFloat32) {
-    decode_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
-                 kv_heads, dim, num_slots, max_len, scale32, softcap32);
+    attend_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
+                 kv_heads, dim, num_slots, max_len, queries_per_request, scale32, softcap32);
     return output;
   }
-  decode_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
-               out, batch, heads, kv_heads, dim, num_slots, max_len, scale32, softcap32);
+  attend_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
+               out, batch, heads, kv_heads, dim, num_slots, max_len, queries_per_request, scale32, softcap32);
   return output.to(dtype);
 }
