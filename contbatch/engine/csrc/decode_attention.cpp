@@ -271,7 +271,7 @@ static std::vector<int64_t> balanced_parts(const int64_t* length, const int64_t*
 template <typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
-                         int64_t dim, int64_t num_slots, int64_t max_len, int64_t rows_per_slot_row, float scale,
+                         int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request, float scale,
                          float softcap) {
   const int64_t group = heads / kv_heads, parts = std::max<int64_t>(1, at::get_num_threads());
   const std::vector<int64_t> bounds = balanced_parts(length, start, batch, kv_heads, parts);
@@ -280,7 +280,7 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
     const auto make = [&](int64_t task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                     slot + b / rows_per_slot_row * max_len, start[b], length[b], group, dim, scale, softcap,
+                     slot + b / queries_per_request * max_len, start[b], length[b], group, dim, scale, softcap,
                      out + (b * heads + h * group) * dim};
     };
     const int64_t begin = bounds[part_begin], end = bounds[part_end];
@@ -323,6 +323,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(queries_per_request >= 1 && slots.size(0) * queries_per_request == batch, "slots for ", batch,
               " query rows, ", queries_per_request, " per request, got ", slots.size(0), " rows");
   TORCH_CHECK(lengths.numel() == batch && first.numel() == batch, "a length and a first position for each row");
+  TORCH_CHECK(lengths.is_contiguous() && first.is_contiguous(), "contiguous lengths and first positions");
   const torch::Tensor q32 = query.to(torch::kFloat32);
   auto output = torch::empty_like(q32);
   const float* q = q32.data_ptr<float>();
