@@ -106,6 +106,15 @@ def panel_gemm() -> PanelLinear | None:
     return module.panel_linear
 
 
+@functools.cache
+def wide_panels() -> bool:
+    """Whether `panel_gemm()` is there and runs float32 panels two at a time in AVX-512 registers: on a Zen 5,
+    1.1-1.3x oneDNN's prepacked product at 16-128 rows and as fast at 512 (docs/performance.md, "a
+    twenty-first session")."""
+    module = kernel_module()
+    return panel_gemm() is not None and module is not None and bool(module.has_wide_panels())
+
+
 _BF16_LINE_ORDER = [column for j in range(PANEL // 2) for column in (j, j + PANEL // 2)]
 
 

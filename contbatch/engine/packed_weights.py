@@ -9,9 +9,9 @@ reordered once into oneDNN's blocked layout: 1.4-2.9x `F.linear` for the head at
 also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at decode sizes. At a few hundred rows
 and more (prefill chunks) MKL is as fast for the layers, so a layer's product takes its packed copy only up to
 `LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always. Where ATen runs AVX-512
-(`cpu_has_avx512`) the panel kernel, written for AVX2, runs at half the width of the machine: oneDNN's prepacked
-product is then about 2x it and 2-3x MKL's at every row count (on an AVX-512 AMD EPYC), and the layers take
-oneDNN's copy at every row count.
+(`cpu_has_avx512`), MKL runs 2-3x below oneDNN's prepacked product at every row count (on an AVX-512 AMD EPYC), and
+the layers take the panel kernel's AVX-512 tiles at every row count (`wide_panels`: 1.1-1.3x oneDNN at decode sizes,
+as fast at 512 rows), or oneDNN's copy where the kernel lacks them.
 
 Where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16 products are not available,
 `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), `F.linear` in bfloat16 runs at about a seventh of the float32
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contbatch.engine.cpu_kernels import pack_panels, panel_gemm
+from contbatch.engine.cpu_kernels import pack_panels, panel_gemm, wide_panels
 from contbatch.engine.head_screen import forget as forget_screen
 from contbatch.engine.head_screen import note_head_output, screened_product
 from contbatch.engine.ops import define_op
@@ -289,11 +289,12 @@ class _Plan:
 
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
     """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`,
-    else through oneDNN. float32: through oneDNN at every row count where ATen runs AVX-512 (`cpu_has_avx512`),
-    else in panels up to `LAYER_MAX_ROWS` rows."""
+    else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`): every row count, in panels where the
+    panel kernel has its AVX-512 tiles (`wide_panels`), else through oneDNN; elsewhere in panels up to
+    `LAYER_MAX_ROWS` rows."""
     if linear.weight.dtype == torch.bfloat16:
         return (0, bf16_panels())
-    return (0, False) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
+    return (0, wide_panels()) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
 
 
 def _head_kind(head: nn.Linear) -> tuple[int, bool]:

@@ -140,7 +140,8 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
     prompts = random_prompts([9, 17, 4], seed=3)
     config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
     outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
-    layer_kind = (0, False) if packed_weights.cpu_has_avx512() else (packed_weights.LAYER_MAX_ROWS, True)
+    layer_kind = ((0, packed_weights.wide_panels()) if packed_weights.cpu_has_avx512()
+                  else (packed_weights.LAYER_MAX_ROWS, True))
     assert seen and all(isinstance(head, PackedLinear) and head.weight is own.weight and head.max_rows == 0
                         and not head.panels and isinstance(q, PackedLinear) and q.weight is own_q.weight
                         and (q.max_rows, q.panels) == layer_kind for head, q in seen)
@@ -150,17 +151,19 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
         assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 5)
 
 
-@pytest.mark.parametrize("avx512", [False, True])
-def test_float32_layers_through_onednn_where_aten_runs_avx512(avx512: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AVX-512, oneDNN's float32 product beats the AVX2 panel kernel and MKL at every row count: the layers
-    take it at every row count; without, the panel kernel up to `LAYER_MAX_ROWS` rows. The head takes oneDNN."""
+@pytest.mark.parametrize(("avx512", "wide"), [(False, False), (False, True), (True, False), (True, True)])
+def test_float32_layer_kinds_follow_the_isa(avx512: bool, wide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ATen runs AVX-512, MKL trails oneDNN's prepacked product at every row count: the layers take the panel
+    kernel's AVX-512 tiles (`wide_panels`) at every row count, or oneDNN's product where the kernel lacks them.
+    Without AVX-512, the panel kernel up to `LAYER_MAX_ROWS` rows. The head takes oneDNN either way."""
     monkeypatch.setattr(packed_weights, "cpu_has_avx512", lambda: avx512)
+    monkeypatch.setattr(packed_weights, "wide_panels", lambda: wide)
     model = fresh_tiny_model("llama")
     with packed_forward(model):
         plan = model.__dict__[PLAN_ATTRIBUTE]
         kinds = {(swap.max_rows, swap.panels) for *_, swap in plan.swaps}
         assert plan.packed_head is not None and (plan.packed_head.max_rows, plan.packed_head.panels) == (0, False)
-    assert kinds == ({(0, False)} if avx512 else {(packed_weights.LAYER_MAX_ROWS, True)})
+    assert kinds == ({(0, wide)} if avx512 else {(packed_weights.LAYER_MAX_ROWS, True)})
     assert len(plan.swaps) == 7 * len(model.model.layers)
 
 

@@ -113,6 +113,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 
 // panel_gemm.cpp
 bool has_panel_gemm();
+bool has_wide_panels();
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const c10::optional<torch::Tensor>& bias);
 
@@ -127,6 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention of query rows (CPU)");
   m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
+  m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");
   m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("screen_quantize", &screen_quantize, "hidden rows as int8 codes + 128, with their scale and error norms");
   m.def("screen_tokens", &screen_tokens, "greedy tokens of the output head through the int8 screen");
