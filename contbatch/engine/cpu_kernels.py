@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +54,16 @@ def kv_row_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` for [N, vocab] logits: through the kernels' `row_argmax` (one vectorised pass for the
-    maximum, one for its first index) for float32, bfloat16 or float16 CPU logits when the kernels are built (the
-    half-precision ones widened to float32 first, exactly), else `torch.argmax`, which takes several times as long
-    over a decode step's logits (about 5x in bfloat16)."""
+    maximum, one for its first index) for float32, bfloat16 or float16 CPU logits when the kernels are built
+    (bfloat16 read as it is, float16 widened to float32 first, both exactly), else `torch.argmax`, which takes
+    several times as long over a decode step's logits (about 5x in bfloat16). A float32 copy of a bfloat16 decode
+    step's logits would cost more than the argmax: a fresh 25 MB at 128 rows, whose page faults took 10-40 ms a
+    step on a KVM guest (docs/performance.md, "a twenty-second session")."""
     if logits.device.type == "cpu" and logits.dtype in _ARGMAX_DTYPES and logits.dim() == 2 and logits.shape[1]:
         module = kernel_module()
         if module is not None:
-            return module.row_argmax(logits.float().contiguous())
+            read = logits if logits.dtype in (torch.float32, torch.bfloat16) else logits.float()
+            return module.row_argmax(read.contiguous())
     return logits.argmax(dim=-1)
 
 
@@ -118,14 +122,27 @@ def wide_panels() -> bool:
 _BF16_LINE_ORDER = [column for j in range(PANEL // 2) for column in (j, j + PANEL // 2)]
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] as the panels `panel_linear` reads: [ceil(N / 16), K, 16], panel p holding output features
-    16p .. 16p + 15 (zeros past N), contiguous. A bfloat16 weight's lines hold their 16 features in the order 0, 8,
-    1, 9, ..., 7, 15 (the kernel widens them to float32 with a shift and a mask)."""
+@functools.cache
+def pair_panels() -> bool:
+    """Whether `panel_gemm()` is there and multiplies bfloat16 panels in k pairs with AVX512-BF16's dot product
+    (`pack_panels`' layout for bfloat16 then): on a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows and
+    1.3x at 16-64 (docs/performance.md, "a twenty-second session")."""
+    module = kernel_module()
+    return panel_gemm() is not None and module is not None and bool(module.has_pair_panels())
+
+
+def pack_panels(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+    """`weight` [N, K] as the panels `panel_linear` reads, contiguous, panel p holding output features 16p .. 16p +
+    15 (zeros past N). float32: [ceil(N / 16), K, 16]. bfloat16 in k pairs (`pairs`, by default where
+    `pair_panels()`): [ceil(N / 16), ceil(K / 2), 32], line j holding each feature's k = 2j and 2j + 1 side by side
+    (a zero past an odd K). Other bfloat16: [ceil(N / 16), K, 16], each line's features in the order 0, 8, 1, 9,
+    ..., 7, 15 (the kernel widens them to float32 with a shift and a mask)."""
     out_features, in_features = weight.shape
-    padded = -out_features % PANEL
-    if padded:
-        weight = torch.cat([weight, weight.new_zeros(padded, in_features)])
+    weight = F.pad(weight, (0, 0, 0, -out_features % PANEL))
+    if weight.dtype == torch.bfloat16 and (pair_panels() if pairs is None else pairs):
+        count, steps = weight.shape[0] // PANEL, (in_features + 1) // 2
+        weight = F.pad(weight, (0, in_features % 2))
+        return weight.reshape(count, PANEL, steps, 2).transpose(1, 2).reshape(count, steps, 2 * PANEL).contiguous()
     panels = weight.reshape(weight.shape[0] // PANEL, PANEL, in_features).transpose(1, 2)
     if weight.dtype == torch.bfloat16:
         panels = panels[..., _BF16_LINE_ORDER]

@@ -17,10 +17,12 @@ Where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat1
 `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), `F.linear` in bfloat16 runs at about a seventh of the float32
 rate. Every bfloat16 linear, the head included, then runs through the panel kernel at every row count: bfloat16
 panels widened to float32 as they are read, float32 FMAs, the result rounded to bfloat16 once, at the rate of the
-float32 kernel with half its weight traffic. Where the CPU has bfloat16
-arithmetic, every bfloat16 linear takes oneDNN's bfloat16 product over a prepacked copy at every row count:
-1.1-1.6x `F.linear` in bfloat16, which reorders the weight at each call (docs/performance.md, "a sixteenth
-session").
+float32 kernel with half its weight traffic. Where the CPU has AVX512-BF16 but no AMX and the kernel is built with
+it (`pair_panels`), the bfloat16 layers take the kernel's pair tiles (`vdpbf16ps` over bfloat16 panels in k pairs)
+at every row count: on a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows, 1.3x at 16-64. The head, and every
+bfloat16 linear on a CPU with AMX, take oneDNN's bfloat16 product over a prepacked copy at every row count: 1.1-1.6x
+`F.linear` in bfloat16, which reorders the weight at each call (docs/performance.md, "a sixteenth session" and "a
+twenty-second session").
 
 `packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
 through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of
@@ -54,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contbatch.engine.cpu_kernels import pack_panels, panel_gemm, wide_panels
+from contbatch.engine.cpu_kernels import pack_panels, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_screen import forget as forget_screen
 from contbatch.engine.head_screen import note_head_output, screened_product
 from contbatch.engine.ops import define_op
@@ -121,9 +123,11 @@ def packing_applies(linear: object) -> TypeGuard[nn.Linear]:
 
 
 def bf16_panels() -> bool:
-    """Whether bfloat16 linears run through the panel kernel: it is built, and the CPU has no bfloat16 arithmetic
-    for oneDNN (so `F.linear` in bfloat16 takes a slow generic path)."""
-    return panel_gemm() is not None and not cpu_has_bf16()
+    """Whether bfloat16 layers run through the panel kernel: it is built, and either the CPU has no bfloat16
+    arithmetic for oneDNN (so `F.linear` in bfloat16 takes a slow generic path), or the kernel multiplies bfloat16
+    pairs with AVX512-BF16 (`pair_panels`) and the CPU has no AMX (whose tiles oneDNN's bfloat16 product uses,
+    unmeasured against the pairs). The head takes them only in the first case (`_head_kind`)."""
+    return panel_gemm() is not None and (not cpu_has_bf16() or (pair_panels() and not cpu_has_amx()))
 
 
 @functools.cache
@@ -132,6 +136,13 @@ def cpu_has_avx512() -> bool:
     weight runs at about twice the panel kernel's AVX2 rate at every row count, and MKL's `F.linear` well below
     both on AMD CPUs (docs/performance.md, "a sixteenth session")."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles (oneDNN's bfloat16 products use them)."""
+    is_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_supported()) if is_supported is not None else False
 
 
 @functools.cache
@@ -288,19 +299,20 @@ class _Plan:
 
 
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`,
-    else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`): every row count, in panels where the
-    panel kernel has its AVX-512 tiles (`wide_panels`), else through oneDNN; elsewhere in panels up to
-    `LAYER_MAX_ROWS` rows."""
+    """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`
+    (in k pairs where `pair_panels()`), else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`):
+    every row count, in panels where the panel kernel has its AVX-512 tiles (`wide_panels`), else through oneDNN;
+    elsewhere in panels up to `LAYER_MAX_ROWS` rows."""
     if linear.weight.dtype == torch.bfloat16:
         return (0, bf16_panels())
     return (0, wide_panels()) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
 
 
 def _head_kind(head: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of the head's `PackedLinear`: every row count, in panels for bfloat16 where
-    `bf16_panels()`, else through oneDNN."""
-    return (0, head.weight.dtype == torch.bfloat16 and bf16_panels())
+    """(max_rows, panels) of the head's `PackedLinear`: every row count, in panels for bfloat16 where the CPU has
+    no bfloat16 arithmetic (`bf16_panels()`), else through oneDNN: the pairs are 0.9x oneDNN for a 49,152-row head
+    at 128 rows (docs/performance.md, "a twenty-second session")."""
+    return (0, head.weight.dtype == torch.bfloat16 and bf16_panels() and not cpu_has_bf16())
 
 
 def _setting() -> str:

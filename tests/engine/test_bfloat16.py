@@ -1,6 +1,7 @@
 """bfloat16 models on CPU. Where the CPU has no bfloat16 arithmetic, every linear (the head too) runs through the
-panel kernel in bfloat16 panels at every row count; where it has (AVX512-BF16, AMX), through oneDNN's bfloat16
-product over a prepacked weight. Decode attention runs through the kernel on the bfloat16 cache either way. Greedy
+panel kernel in bfloat16 panels at every row count; where it has AVX512-BF16 without AMX, the layers through the
+panel kernel's pair tiles and the head through oneDNN's bfloat16 product over a prepacked weight; with AMX, every
+linear through oneDNN. Decode attention runs through the kernel on the bfloat16 cache either way. Greedy
 tokens agree with `model.generate` in bfloat16 within a stated tolerance, since two float32-accumulating bfloat16
 products that sum in different orders round differently."""
 
@@ -29,15 +30,42 @@ def _bf16_model() -> nn.Module:
 
 
 def test_bf16_linears_are_packed_for_every_row_count() -> None:
-    """In panels where the CPU lacks bfloat16 arithmetic, in oneDNN's layout where it has it."""
+    """The layers in panels where `bf16_panels()` (in k pairs where `pair_panels()`), the head only where the CPU
+    lacks bfloat16 arithmetic; the rest in oneDNN's layout."""
     model = _bf16_model()
     assert packing_applies(model.get_output_embeddings())
     panels = packed_weights.bf16_panels()
     with packed_forward(model):
         plan = model.__dict__[PLAN_ATTRIBUTE]
-        assert plan.packed_head.panels == panels and plan.packed_head.max_rows == 0
+        head_panels = panels and not packed_weights.cpu_has_bf16()
+        assert plan.packed_head.panels == head_panels and plan.packed_head.max_rows == 0
         assert len(plan.swaps) == 7 * len(model.model.layers)
         assert all(swap.panels == panels and swap.max_rows == 0 for *_, swap in plan.swaps)
+        copy = packed_weights._packed[plan.swaps[0][3].handle]
+    if panels:
+        assert copy.shape[-1] == (2 * cpu_kernels.PANEL if cpu_kernels.pair_panels() else cpu_kernels.PANEL)
+
+
+@pytest.mark.parametrize(("has_bf16", "pairs", "amx", "layers", "head"), [
+    (False, False, False, True, True),
+    (True, True, False, True, False),
+    (True, True, True, False, False),
+    (True, False, False, False, False),
+])
+def test_bf16_kinds_follow_the_cpu(has_bf16: bool, pairs: bool, amx: bool, layers: bool, head: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without bfloat16 arithmetic everything in (widened) panels; with AVX512-BF16 and the pair tiles built, the
+    layers in pairs and the head through oneDNN; with AMX, or without the pair tiles, everything through oneDNN."""
+    if cpu_kernels.panel_gemm() is None:
+        pytest.skip("needs the panel kernel")
+    monkeypatch.setattr(packed_weights, "cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr(packed_weights, "pair_panels", lambda: pairs)
+    monkeypatch.setattr(packed_weights, "cpu_has_amx", lambda: amx)
+    model = _bf16_model()
+    with packed_forward(model):
+        plan = model.__dict__[PLAN_ATTRIBUTE]
+        assert {swap.panels for *_, swap in plan.swaps} == {layers}
+        assert plan.packed_head.panels == head
 
 
 def test_bf16_needs_panels_or_bf16_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,14 +1,19 @@
 """The panel-packed linear kernel: `F.linear`'s function at every row, column and depth remainder, with and without
-bias, each row's result independent of the rest of the batch, and its argument checks."""
+bias, each row's result independent of the rest of the batch and of the thread count, and its argument checks; in
+float32, and in bfloat16 in both layouts (lines widened to float32, and k pairs through AVX512-BF16 where built)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from contbatch.engine.cpu_kernels import PANEL, pack_panels, panel_gemm
+from contbatch.engine.cpu_kernels import PANEL, pack_panels, pair_panels, panel_gemm
 
 pytestmark = pytest.mark.skipif(panel_gemm() is None, reason="the panel kernel needs AVX2 + FMA and a C++ compiler")
+BF16_LAYOUTS = [
+    pytest.param(False, id="widened"),
+    pytest.param(True, id="pairs", marks=pytest.mark.skipif(not pair_panels(), reason="needs AVX512-BF16")),
+]
 
 
 def test_panels_layout() -> None:
@@ -81,7 +86,7 @@ def test_bad_arguments_are_refused() -> None:
 
 def test_bfloat16_panels_interleave_each_line() -> None:
     weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3).to(torch.bfloat16)
-    panels = pack_panels(weight)
+    panels = pack_panels(weight, pairs=False)
     assert panels.shape == (2, 3, PANEL) and panels.dtype == torch.bfloat16 and panels.is_contiguous()
     order = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
     assert torch.equal(panels[0], weight[:16].T[:, order])
@@ -89,11 +94,26 @@ def test_bfloat16_panels_interleave_each_line() -> None:
     assert torch.equal(panels[1], padded.T[:, order])
 
 
+def test_bfloat16_pair_panels_hold_k_in_pairs() -> None:
+    """Line j of panel p: features 16p .. 16p + 15, each at k = 2j then 2j + 1; zeros past N and past an odd K."""
+    weight = torch.arange(20 * 5, dtype=torch.float32).reshape(20, 5).to(torch.bfloat16)
+    panels = pack_panels(weight, pairs=True)
+    assert panels.shape == (2, 3, 2 * PANEL) and panels.dtype == torch.bfloat16 and panels.is_contiguous()
+    assert pack_panels(weight).shape == (panels.shape if pair_panels() else (2, 5, PANEL))
+    padded = torch.zeros(32, 6, dtype=torch.bfloat16)
+    padded[:20, :5] = weight
+    for p, j, feature, k in ((0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 3, 2), (0, 2, 15, 4), (1, 1, 19, 3), (1, 0, 16, 0)):
+        assert panels[p, j, 2 * (feature % PANEL) + k % 2] == padded[feature, k]
+    assert not panels[:, 2, 1::2].any() and not panels[1, :, 8:].any()
+    assert torch.equal(panels[0].reshape(3, PANEL, 2).permute(1, 0, 2).reshape(PANEL, 6), padded[:16])
+
+
+@pytest.mark.parametrize("pairs", BF16_LAYOUTS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
-    (1, 1, 1), (6, 17, 37), (13, 300, 37), (32, 192, 576), (97, 20, 200), (301, 40, 9), (3, 20, 0),
+    (1, 1, 1), (6, 17, 37), (13, 300, 37), (32, 192, 576), (97, 20, 200), (301, 40, 9), (3, 20, 0), (9, 49, 130),
 ])
-def test_bfloat16_is_the_float32_product_rounded_once(bias: bool, rows: int, out_features: int,
+def test_bfloat16_is_the_float32_product_rounded_once(pairs: bool, bias: bool, rows: int, out_features: int,
                                                       in_features: int) -> None:
     """bfloat16 operands, float32 arithmetic (their products are exact), one rounding to bfloat16 at the end: within
     one bfloat16 rounding of the exact result, and equal to its rounding nearly everywhere."""
@@ -101,21 +121,51 @@ def test_bfloat16_is_the_float32_product_rounded_once(bias: bool, rows: int, out
     x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
-    out = panel_gemm()(x, pack_panels(weight), out_features, b)  # type: ignore[misc]
+    out = panel_gemm()(x, pack_panels(weight, pairs), out_features, b)  # type: ignore[misc]
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     exact = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-5 * max(in_features, 1))
     assert (out == exact.to(torch.bfloat16)).double().mean() >= 0.98
 
 
-def test_a_bfloat16_rows_result_does_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("pairs", BF16_LAYOUTS)
+def test_a_bfloat16_rows_result_does_not_depend_on_the_batch(pairs: bool) -> None:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(130, 200, generator=generator).to(torch.bfloat16)
-    panels = pack_panels(torch.randn(50, 200, generator=generator).to(torch.bfloat16))
+    panels = pack_panels(torch.randn(50, 200, generator=generator).to(torch.bfloat16), pairs)
     gemm = panel_gemm()
     whole = gemm(x, panels, 50, None)  # type: ignore[misc]
-    for start, stop in ((0, 1), (3, 14), (0, 96), (20, 130)):
+    for start, stop in ((0, 1), (3, 14), (0, 96), (20, 130), (7, 16), (0, 9)):
         assert torch.equal(gemm(x[start:stop].contiguous(), panels, 50, None), whole[start:stop])  # type: ignore[misc]
+
+
+@pytest.mark.skipif(not pair_panels(), reason="needs AVX512-BF16")
+def test_pair_tiles_do_not_depend_on_the_thread_count() -> None:
+    """A thread takes pair panels three at a time: 20 panels on 2 threads run as 3 + 3 + 3 + 1 each, on 1 thread as
+    6 x 3 + 2."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 96, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(20 * PANEL - 5, 96, generator=generator).to(torch.bfloat16)
+    panels = pack_panels(weight, pairs=True)
+    gemm = panel_gemm()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = gemm(x, panels, weight.shape[0], None)  # type: ignore[misc]
+        torch.set_num_threads(1)
+        one = gemm(x, panels, weight.shape[0], None)  # type: ignore[misc]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.skipif(not pair_panels(), reason="needs AVX512-BF16")
+def test_pair_panels_are_bfloat16_only() -> None:
+    pairs = pack_panels(torch.randn(20, 8).to(torch.bfloat16), pairs=True)
+    with pytest.raises(RuntimeError, match="need bfloat16"):
+        panel_gemm()(torch.randn(3, 8), pairs.float(), 20, None)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="K of x"):
+        panel_gemm()(torch.randn(3, 10).to(torch.bfloat16), pairs, 20, None)  # type: ignore[misc]
 
 
 def test_mixed_dtypes_are_refused() -> None:

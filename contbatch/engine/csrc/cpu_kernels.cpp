@@ -49,8 +49,10 @@ void write_rows(torch::Tensor cache, const torch::Tensor& rows, const torch::Ten
   });
 }
 
-// The index of the first maximal element of x[0, n), NaN counting as the maximum (torch.argmax's rule).
-static int64_t argmax_row(const float* x, int64_t n) {
+// The index of the first maximal element of x[0, n), NaN counting as the maximum (torch.argmax's rule); bfloat16
+// elements are compared as the float32 values they widen to (exactly).
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t n) {
   int64_t i = 0;
   float best = -INFINITY;
   bool nan = false;
@@ -59,7 +61,7 @@ static int64_t argmax_row(const float* x, int64_t n) {
   for (int k = 0; k < 4; ++k) high[k] = _mm256_set1_ps(-INFINITY);
   for (; i + 32 <= n; i += 32)
     for (int k = 0; k < 4; ++k) {
-      const __m256 v = _mm256_loadu_ps(x + i + 8 * k);
+      const __m256 v = load8(x + i + 8 * k);
       unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       high[k] = _mm256_max_ps(high[k], v);
     }
@@ -67,34 +69,44 @@ static int64_t argmax_row(const float* x, int64_t n) {
   nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; i < n; ++i) {
-    nan = nan || std::isnan(x[i]);
-    best = std::max(best, x[i]);
+    const float v = static_cast<float>(x[i]);
+    nan = nan || std::isnan(v);
+    best = std::max(best, v);
   }
-  if (nan) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+  if (nan) return std::find_if(x, x + n, [](T v) { return std::isnan(static_cast<float>(v)); }) - x;
   int64_t j = 0;
 #ifdef CONTBATCH_AVX2
   const __m256 target = _mm256_set1_ps(best);
   for (; j + 8 <= n; j += 8) {
-    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + j), target, _CMP_EQ_OQ));
     if (mask != 0) return j + __builtin_ctz(mask);
   }
 #endif
   for (; j < n; ++j)
-    if (x[j] == best) return j;
+    if (static_cast<float>(x[j]) == best) return j;
   return 0;
 }
 
-// logits: [N, V] float32 contiguous. Returns [N] int64, row r's `argmax_row`: torch.argmax(logits, -1).
-torch::Tensor row_argmax(const torch::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.dtype() == torch::kFloat32 && logits.is_contiguous());
-  TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
-  const int64_t rows = logits.size(0), cols = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
-  const float* x = logits.data_ptr<float>();
-  int64_t* index = out.data_ptr<int64_t>();
+template <typename T>
+static void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t* index) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(x + r * cols, cols);
   });
+}
+
+// logits: [N, V] float32 or bfloat16, contiguous. Returns [N] int64, row r's `argmax_row`: torch.argmax(logits, -1).
+torch::Tensor row_argmax(const torch::Tensor& logits) {
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(logits.dim() == 2 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && logits.is_contiguous(),
+              "logits: [N, V] contiguous float32 or bfloat16");
+  TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  if (dtype == torch::kFloat32) {
+    argmax_rows(logits.data_ptr<float>(), rows, cols, out.data_ptr<int64_t>());
+  } else {
+    argmax_rows(logits.data_ptr<at::BFloat16>(), rows, cols, out.data_ptr<int64_t>());
+  }
   return out;
 }
 
@@ -114,6 +126,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 // panel_gemm.cpp
 bool has_panel_gemm();
 bool has_wide_panels();
+bool has_pair_panels();
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const c10::optional<torch::Tensor>& bias);
 
@@ -126,9 +139,10 @@ bool has_vnni();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_rows", &write_rows, "store K/V rows at cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention of query rows (CPU)");
-  m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32), as torch.argmax");
+  m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");
+  m.def("has_pair_panels", &has_pair_panels, "whether panel_linear takes bfloat16 panels in k pairs (AVX512-BF16)");
   m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("screen_quantize", &screen_quantize, "hidden rows as int8 codes + 128, with their scale and error norms");
   m.def("screen_tokens", &screen_tokens, "greedy tokens of the output head through the int8 screen");

@@ -1,7 +1,7 @@
 // A linear layer over a weight prepacked in column panels, for the row counts of decode and prefill steps, computed
-// in float32. The panels hold float32, or bfloat16 for bfloat16 models on CPUs without bfloat16 arithmetic: each
-// bfloat16 line is widened to float32 as it is loaded (exact), the products are float32 FMAs (exact for bfloat16
-// operands), and the result is rounded to bfloat16 once, at the end, as a float32-accumulating bfloat16 GEMM does.
+// in float32. The panels hold float32, or bfloat16 for bfloat16 models. Without bfloat16 arithmetic, each bfloat16
+// line is widened to float32 as it is loaded (exact), the products are float32 FMAs (exact for bfloat16 operands),
+// and the result is rounded to bfloat16 once, at the end, as a float32-accumulating bfloat16 GEMM does.
 //
 // The weight [N, K] is stored as panels [P, K, 16] (P = ceil(N / 16), the last one zero-padded): panel p holds
 // output features 16p .. 16p + 15, one 64-byte line per k. A task is one panel; the rows are taken in blocks that
@@ -18,13 +18,22 @@
 // the same, so the results are too. On a Zen 5 this is 1.1-1.3x oneDNN's prepacked product at 16-128 rows and as
 // fast at 512 (docs/performance.md, "a twenty-first session").
 //
+// Where the build has AVX512-BF16, bfloat16 panels hold k in pairs instead ([P, ceil(K / 2), 32]: line j holds
+// columns 0-15 at k = 2j and 2j + 1, interleaved by column, a zero k past an odd K), and a tile multiplies them by
+// the input's bfloat16 pairs with `vdpbf16ps`: per lane, one instruction adds both products of a pair to a float32
+// accumulator (denormals flushed), twice the arithmetic of a float32 FMA. A task takes three panels (48 columns), a tile up to 8 rows
+// (24 accumulators). Each output is still one float32 chain over the k pairs in order, so a row's result depends on
+// neither the batch nor the thread count. On a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows, 1.3x at 16-64,
+// as fast at 512 (docs/performance.md, "a twenty-second session").
+//
 // Without AVX2 + FMA nothing is built here (`has_panel_gemm()` is false) and the caller keeps its other path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
-#include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -69,8 +78,8 @@ inline void load_line(const uint16_t* line, __m256& b0, __m256& b1) {
 // accumulators start from the partial sums in y, else from zero; with `finish` the bias is added, else y receives
 // partial sums for a later chunk of k. Either way each output stays one FMA chain over k in order.
 template <int R, typename P>
-inline void tile(const float* x, int64_t ldx, int64_t kc, const P* panel, float* y, int64_t ldy, int64_t ncols,
-                 const float* bias, bool resume, bool finish) {
+inline void tile(const float* x, int64_t ldx, int64_t kc, const P* panel, int64_t, float* y, int64_t ldy,
+                 int64_t ncols, const float* bias, bool resume, bool finish) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols)), lane);
   const __m256i high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols) - 8), lane);
@@ -104,11 +113,13 @@ inline void tile(const float* x, int64_t ldx, int64_t kc, const P* panel, float*
 #undef CONTBATCH_STORE
 }
 
+// A tile function: (x, ldx, k steps, panel, stride between the task's panels, y, ldy, ncols, bias, resume, finish).
+template <typename X, typename P>
+using TileFn = void (*)(const X*, int64_t, int64_t, const P*, int64_t, float*, int64_t, int64_t, const float*, bool,
+                        bool);
 template <typename P>
-using TileFn = void (*)(const float*, int64_t, int64_t, const P*, float*, int64_t, int64_t, const float*, bool, bool);
-template <typename P>
-constexpr TileFn<P> kTiles[kTileRows + 1] = {nullptr, tile<1, P>, tile<2, P>, tile<3, P>, tile<4, P>, tile<5, P>,
-                                             tile<6, P>};
+constexpr TileFn<float, P> kTiles[kTileRows + 1] = {nullptr, tile<1, P>, tile<2, P>, tile<3, P>, tile<4, P>,
+                                                    tile<5, P>, tile<6, P>};
 
 #if defined(__AVX512F__)
 // One R x 32 tile over two adjacent float32 panels (the second `stride` floats after the first; ncols of the 32
@@ -146,67 +157,142 @@ inline void wide_tile(const float* x, int64_t ldx, int64_t kc, const float* pane
 #undef CONTBATCH_STORE
 }
 
-using WideTileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                            const float*, bool, bool);
-constexpr WideTileFn kWideTiles[kTileRows + 1] = {nullptr, wide_tile<1>, wide_tile<2>, wide_tile<3>, wide_tile<4>,
-                                                   wide_tile<5>, wide_tile<6>};
+constexpr TileFn<float, float> kWideTiles[kTileRows + 1] = {nullptr, wide_tile<1>, wide_tile<2>, wide_tile<3>,
+                                                             wide_tile<4>, wide_tile<5>, wide_tile<6>};
 #endif
 
-// Panels a task takes at once: two (32 columns, `wide_tile`) for float32 panels where the build has AVX-512, else one.
-template <typename P>
-constexpr int64_t kWidth = 1;
-#if defined(__AVX512F__)
-template <>
-constexpr int64_t kWidth<float> = 2;
-#endif
+#if defined(__AVX512BF16__)
+constexpr int64_t kPairRows = 8;
+constexpr int64_t kPairWidth = 3;
 
-// The tiles of rows [m0, m1) over `width` panels from `panel` (their first column `col`), k in chunks of `chunk`;
-// the `next_lines` lines from `next` (the thread's next panels) are prefetched a share before each tile.
-template <typename P>
-void panel_tiles(const float* xs, const P* panel, int64_t width, const float* bias, float* ys, int64_t m0, int64_t m1,
-                 int64_t K, int64_t N, int64_t col, int64_t chunk, const P* next, int64_t next_lines) {
-  constexpr int64_t kLinesPerCacheLine = std::max<int64_t>(1, 64 / (kPanel * static_cast<int64_t>(sizeof(P))));
-  const int64_t chunks = std::max<int64_t>(1, (K + chunk - 1) / chunk);
-  const int64_t steps = (m1 - m0 + kTileRows - 1) / kTileRows * chunks;
-  const int64_t lines_per_step = (next_lines + steps - 1) / steps, ncols = std::min(width * kPanel, N - col);
-  int64_t step = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t k0 = c * chunk, kc = std::min(chunk, K - k0);
-    for (int64_t m = m0; m < m1; m += kTileRows, ++step) {
-      const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
-      for (int64_t line = step * lines_per_step; line < stop; ++line) {
-        if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * kPanel, 0, 3);
-      }
-      const int64_t rows = std::min(kTileRows, m1 - m);
-      const float* x = xs + m * K + k0;
-      float* y = ys + m * N + col;
-#if defined(__AVX512F__)
-      if constexpr (std::is_same_v<P, float>) {
-        if (width == 2) {
-          kWideTiles[rows](x, K, kc, panel + k0 * kPanel, K * kPanel, y, N, ncols, bias, c > 0, c + 1 == chunks);
-          continue;
-        }
-      }
-#endif
-      kTiles<P>[rows](x, K, kc, panel + k0 * kPanel, y, N, ncols, bias, c > 0, c + 1 == chunks);
+// One R x 16W tile over W adjacent pair panels (`stride` elements apart; ncols of the 16W columns real): per k pair,
+// one load of each panel's line and R broadcasts of the rows' pairs feed RW `vdpbf16ps` into RW accumulators (the
+// loops are unrolled, so the arrays live in registers).
+template <int R, int W>
+inline void pair_tile(const int32_t* x, int64_t ldx, int64_t kc, const uint16_t* panel, int64_t stride, float* y,
+                      int64_t ldy, int64_t ncols, const float* bias, bool resume, bool finish) {
+  __mmask16 mask[W];
+  __m512 c[R][W];
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) {
+    mask[w] = static_cast<__mmask16>((1u << std::clamp<int64_t>(ncols - w * kPanel, 0, kPanel)) - 1u);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      c[r][w] = resume ? _mm512_maskz_loadu_ps(mask[w], y + r * ldy + w * kPanel) : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512bh b[W];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) b[w] = (__m512bh)_mm512_loadu_si512(panel + w * stride + k * 2 * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int w = 0; w < W; ++w) c[r][w] = _mm512_dpbf16_ps(c[r][w], a, b[w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const __m512 d = finish && bias ? _mm512_maskz_loadu_ps(mask[w], bias + w * kPanel) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(y + r * ldy + w * kPanel, mask[w], _mm512_add_ps(c[r][w], d));
     }
   }
 }
 
-// y [M, N] = xs [M, K] @ W.T + bias, W in panels `ps` [P, K, 16] of element type P. A thread takes its panels
-// `kWidth<P>` at a time (the last one alone where they do not pair up).
-template <typename P>
-void panel_product(const float* xs, const P* ps, const float* bias_data, float* ys, int64_t M, int64_t K, int64_t N,
-                   int64_t P_count) {
-  const int64_t block = std::max<int64_t>(kTileRows, kBlockFloats / std::max<int64_t>(K, 1) / kTileRows * kTileRows);
-  const int64_t chunk = std::max<int64_t>(1, M <= kChunkMaxRows ? std::min(kChunk, K) : K);
+template <int W, int... Rs>
+constexpr std::array<TileFn<int32_t, uint16_t>, kPairRows + 1> pair_tiles(std::integer_sequence<int, Rs...>) {
+  return {nullptr, pair_tile<Rs + 1, W>...};
+}
+constexpr std::array<TileFn<int32_t, uint16_t>, kPairRows + 1> kPairTiles[kPairWidth] = {
+    pair_tiles<1>(std::make_integer_sequence<int, kPairRows>{}),
+    pair_tiles<2>(std::make_integer_sequence<int, kPairRows>{}),
+    pair_tiles<3>(std::make_integer_sequence<int, kPairRows>{})};
+#endif
+
+// The kinds of panels: X the input's element type as the tiles read it, P the panels', kLine the P elements of a
+// panel's line (one k step), kRows a tile's rows at most, kWidth the panels a task takes at once, kChunkRows the row
+// counts up to which k runs in chunks, tile(rows, width) the tile function.
+struct FloatPanels {
+  using X = float;
+  using P = float;
+#if defined(__AVX512F__)
+  static constexpr int64_t kWidth = 2;
+#else
+  static constexpr int64_t kWidth = 1;
+#endif
+  static constexpr int64_t kLine = kPanel, kRows = kTileRows, kChunkRows = kChunkMaxRows;
+  static TileFn<X, P> tile(int64_t rows, int64_t width) {
+#if defined(__AVX512F__)
+    if (width == 2) return kWideTiles[rows];
+#endif
+    return kTiles<float>[rows];
+  }
+};
+
+struct WidenedPanels {
+  using X = float;
+  using P = uint16_t;
+  static constexpr int64_t kWidth = 1, kLine = kPanel, kRows = kTileRows, kChunkRows = kChunkMaxRows;
+  static TileFn<X, P> tile(int64_t rows, int64_t) { return kTiles<uint16_t>[rows]; }
+};
+
+#if defined(__AVX512BF16__)
+struct PairPanels {
+  using X = int32_t;
+  using P = uint16_t;
+  static constexpr int64_t kWidth = kPairWidth, kLine = 2 * kPanel, kRows = kPairRows, kChunkRows = kChunkMaxRows;
+  static TileFn<X, P> tile(int64_t rows, int64_t width) { return kPairTiles[width - 1][rows]; }
+};
+#endif
+
+// The tiles of rows [m0, m1) over `width` panels from `panel` (their first column `col`), k steps in chunks of
+// `chunk`; the `next_lines` lines from `next` (the thread's next panels) are prefetched a share before each tile.
+template <typename Kind>
+void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int64_t width, const float* bias,
+                 float* ys, int64_t m0, int64_t m1, int64_t steps_k, int64_t N, int64_t col, int64_t chunk,
+                 const typename Kind::P* next, int64_t next_lines) {
+  using P = typename Kind::P;
+  constexpr int64_t kLinesPerCacheLine = std::max<int64_t>(1, 64 / (Kind::kLine * static_cast<int64_t>(sizeof(P))));
+  const int64_t chunks = std::max<int64_t>(1, (steps_k + chunk - 1) / chunk);
+  const int64_t steps = (m1 - m0 + Kind::kRows - 1) / Kind::kRows * chunks;
+  const int64_t lines_per_step = (next_lines + steps - 1) / steps, ncols = std::min(width * kPanel, N - col);
+  int64_t step = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k0 = c * chunk, kc = std::min(chunk, steps_k - k0);
+    for (int64_t m = m0; m < m1; m += Kind::kRows, ++step) {
+      const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
+      for (int64_t line = step * lines_per_step; line < stop; ++line) {
+        if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * Kind::kLine, 0, 3);
+      }
+      Kind::tile(std::min(Kind::kRows, m1 - m), width)(xs + m * steps_k + k0, steps_k, kc, panel + k0 * Kind::kLine,
+                                                         steps_k * Kind::kLine, ys + m * N + col, N, ncols, bias,
+                                                         c > 0, c + 1 == chunks);
+    }
+  }
+}
+
+// y [M, N] = xs [M, steps_k] (k steps of the kind's X) @ W.T + bias, W in panels `ps` [P, steps_k, kLine]. A thread
+// takes its panels `Kind::kWidth` at a time (fewer where its range ends).
+template <typename Kind>
+void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const float* bias_data, float* ys,
+                   int64_t M, int64_t steps_k, int64_t N, int64_t P_count) {
+  constexpr int64_t kRows = Kind::kRows;
+  const int64_t block = std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(steps_k, 1) / kRows * kRows);
+  const int64_t chunk = std::max<int64_t>(1, M <= Kind::kChunkRows ? std::min(kChunk, steps_k) : steps_k);
   at::parallel_for(0, P_count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       for (int64_t p = begin; p < end;) {
-        const int64_t width = std::min(kWidth<P>, end - p), following = std::min(kWidth<P>, end - p - width);
-        const P* panel = ps + p * K * kPanel;
-        panel_tiles(xs, panel, width, bias_data ? bias_data + p * kPanel : nullptr, ys, m0, std::min(M, m0 + block),
-                    K, N, p * kPanel, chunk, panel + width * K * kPanel, following * K);
+        const int64_t width = std::min(Kind::kWidth, end - p), following = std::min(Kind::kWidth, end - p - width);
+        const typename Kind::P* panel = ps + p * steps_k * Kind::kLine;
+        panel_tiles<Kind>(xs, panel, width, bias_data ? bias_data + p * kPanel : nullptr, ys, m0,
+                          std::min(M, m0 + block), steps_k, N, p * kPanel, chunk, panel + width * steps_k * Kind::kLine,
+                          following * steps_k);
         p += width;
       }
     }
@@ -225,33 +311,55 @@ bool has_wide_panels() {
 #endif
 }
 
-// x [M, K] contiguous, float32 or bfloat16; panels [P, K, 16] contiguous of x's dtype with 16 (P - 1) < N <= 16 P
-// (bfloat16 lines interleaved, see load_line);
+bool has_pair_panels() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] contiguous, float32 or bfloat16; panels contiguous, of x's dtype: [P, K, 16] (bfloat16 lines interleaved,
+// see load_line), or for bfloat16 where `has_pair_panels()` [P, ceil(K / 2), 32] in k pairs; 16 (P - 1) < N <= 16 P;
 // bias [N] or None. Returns x @ W.T + bias, [M, N], in x's dtype (computed in float32).
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const c10::optional<torch::Tensor>& bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
               "x: [M, K] contiguous float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kPanel;
+  TORCH_CHECK(!pairs || (has_pair_panels() && dtype == torch::kBFloat16),
+              "panels in k pairs ([P, ceil(K / 2), 32]) need bfloat16 and a build with AVX512-BF16");
+  const int64_t steps_k = pairs ? (K + 1) / 2 : K;
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == dtype && panels.is_contiguous() &&
-                  panels.size(1) == x.size(1) && panels.size(2) == kPanel,
-              "panels: [P, K, 16] contiguous, of x's dtype and with the K of x");
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+                  panels.size(1) == steps_k && (pairs || panels.size(2) == kPanel),
+              "panels: [P, K, 16] (bfloat16 also [P, ceil(K / 2), 32]) contiguous, of x's dtype and with the K of x");
+  const int64_t P = panels.size(0);
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
   torch::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype, "bias: [N] of x's dtype");
     bias32 = bias->to(torch::kFloat32).contiguous();
   }
-  const torch::Tensor x32 = x.to(torch::kFloat32);
-  auto y = torch::empty({M, N}, x32.options());
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   const float* bias_data = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  float* ys = y.data_ptr<float>();
   if (dtype == torch::kFloat32) {
-    panel_product(x32.data_ptr<float>(), panels.data_ptr<float>(), bias_data, y.data_ptr<float>(), M, K, N, P);
+    panel_product<FloatPanels>(x.data_ptr<float>(), panels.data_ptr<float>(), bias_data, ys, M, K, N, P);
     return y;
   }
   const auto* bf16 = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  panel_product(x32.data_ptr<float>(), bf16, bias_data, y.data_ptr<float>(), M, K, N, P);
+#if defined(__AVX512BF16__)
+  if (pairs) {
+    const torch::Tensor even = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x;
+    const auto* xs = reinterpret_cast<const int32_t*>(even.data_ptr<at::BFloat16>());
+    panel_product<PairPanels>(xs, bf16, bias_data, ys, M, steps_k, N, P);
+    return y.to(dtype);
+  }
+#endif
+  const torch::Tensor x32 = x.to(torch::kFloat32);
+  panel_product<WidenedPanels>(x32.data_ptr<float>(), bf16, bias_data, ys, M, K, N, P);
   return y.to(dtype);
 }
 
@@ -260,6 +368,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 bool has_panel_gemm() { return false; }
 
 bool has_wide_panels() { return false; }
+
+bool has_pair_panels() { return false; }
 
 torch::Tensor panel_linear(const torch::Tensor&, const torch::Tensor&, int64_t,
                            const c10::optional<torch::Tensor>&) {
