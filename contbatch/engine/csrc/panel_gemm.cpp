@@ -21,10 +21,10 @@
 // Where the build has AVX512-BF16, bfloat16 panels hold k in pairs instead ([P, ceil(K / 2), 32]: line j holds
 // columns 0-15 at k = 2j and 2j + 1, interleaved by column, a zero k past an odd K), and a tile multiplies them by
 // the input's bfloat16 pairs with `vdpbf16ps`: per lane, one instruction adds both products of a pair to a float32
-// accumulator (denormals flushed), twice the arithmetic of a float32 FMA. A task takes three panels (48 columns), a tile up to 8 rows
-// (24 accumulators). Each output is still one float32 chain over the k pairs in order, so a row's result depends on
-// neither the batch nor the thread count. On a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows, 1.3x at 16-64,
-// as fast at 512 (docs/performance.md, "a twenty-second session").
+// accumulator (denormals flushed), twice the arithmetic of a float32 FMA. A task takes three panels (48 columns), a
+// tile up to 8 rows (24 accumulators). Each output is still one float32 chain over the k pairs in order, so a row's
+// result depends on neither the batch nor the thread count. On a Zen 5, 1.15x oneDNN's bfloat16 product at 128
+// rows, 1.3x at 16-64, as fast at 512 (docs/performance.md, "a twenty-second session").
 //
 // Without AVX2 + FMA nothing is built here (`has_panel_gemm()` is false) and the caller keeps its other path.
 #include <torch/extension.h>
