@@ -51,6 +51,19 @@ def test_a_rows_result_does_not_depend_on_the_batch() -> None:
         assert torch.equal(gemm(x[start:stop].contiguous(), panels, 50, None), whole[start:stop])  # type: ignore[misc]
 
 
+def _on_one_and_two_threads(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> tuple[torch.Tensor, ...]:
+    threads = torch.get_num_threads()
+    try:
+        return tuple(_threaded_product(count, x, panels, out_features) for count in (1, 2))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _threaded_product(count: int, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    torch.set_num_threads(count)
+    return panel_gemm()(x, panels, out_features, None)  # type: ignore[misc]
+
+
 def test_the_result_does_not_depend_on_the_thread_count() -> None:
     """With AVX-512 a thread takes its float32 panels two at a time, and the odd one of its range alone: 18 panels on
     2 threads leave panels 8 and 17 alone, on 1 thread none. Each output is the same FMA chain either way."""
@@ -58,15 +71,7 @@ def test_the_result_does_not_depend_on_the_thread_count() -> None:
     x = torch.randn(40, 96, generator=generator)
     weight = torch.randn(18 * PANEL - 3, 96, generator=generator)
     panels = pack_panels(weight)
-    gemm = panel_gemm()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = gemm(x, panels, weight.shape[0], None)  # type: ignore[misc]
-        torch.set_num_threads(1)
-        one = gemm(x, panels, weight.shape[0], None)  # type: ignore[misc]
-    finally:
-        torch.set_num_threads(threads)
+    one, two = _on_one_and_two_threads(x, panels, weight.shape[0])
     assert torch.equal(one, two)
     torch.testing.assert_close(one, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-4)
 
@@ -147,15 +152,7 @@ def test_pair_tiles_do_not_depend_on_the_thread_count() -> None:
     x = torch.randn(40, 96, generator=generator).to(torch.bfloat16)
     weight = torch.randn(20 * PANEL - 5, 96, generator=generator).to(torch.bfloat16)
     panels = pack_panels(weight, pairs=True)
-    gemm = panel_gemm()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = gemm(x, panels, weight.shape[0], None)  # type: ignore[misc]
-        torch.set_num_threads(1)
-        one = gemm(x, panels, weight.shape[0], None)  # type: ignore[misc]
-    finally:
-        torch.set_num_threads(threads)
+    one, two = _on_one_and_two_threads(x, panels, weight.shape[0])
     assert torch.equal(one, two)
 
 
