@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp",
-            _CSRC / "head_screen.cpp")
+            _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp")
 _HEADERS = (_CSRC / "simd.h",)
 PANEL = 16
 
@@ -68,8 +68,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernel_module() -> Any:
-    """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`,
-    `screen_quantize`, `screen_tokens`, `has_vnni()`, and `parallel_threads()`: how many threads its
+    """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`, `rms_norm`,
+    `silu_mul`, `screen_quantize`, `screen_tokens`, `has_vnni()`, and `parallel_threads()`: how many threads its
     `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None

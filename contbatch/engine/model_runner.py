@@ -28,6 +28,7 @@ from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOu
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.compile_padding import pad_for_compile
 from contbatch.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphSettings
+from contbatch.engine.fused_modules import fused_forward
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
@@ -137,10 +138,12 @@ class ModelRunner:
     def _forward(self, path: str, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata) -> torch.Tensor:
         """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
         weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs
-        them itself."""
+        them itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`)."""
         compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
         frozen = compiled is not None and compiled.freezes_weights
-        with paged_forward(), nullcontext() if frozen else packed_forward(self.model):
+        fused = compiled is None and self.device.type == "cpu"
+        with (paged_forward(), nullcontext() if frozen else packed_forward(self.model),
+              fused_forward(self.model) if fused else nullcontext()):
             if compiled is not None:
                 with step_metadata(metadata):
                     output = compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})

@@ -130,6 +130,10 @@ bool has_pair_panels();
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const c10::optional<torch::Tensor>& bias);
 
+// fused_ops.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
+
 // head_screen.cpp
 std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden);
 torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
@@ -144,6 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");
   m.def("has_pair_panels", &has_pair_panels, "whether panel_linear takes bfloat16 panels in k pairs (AVX512-BF16)");
   m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
+  m.def("silu_mul", &silu_mul, "F.silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("screen_quantize", &screen_quantize, "hidden rows as int8 codes + 128, with their scale and error norms");
   m.def("screen_tokens", &screen_tokens, "greedy tokens of the output head through the int8 screen");
   m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");

@@ -1,0 +1,193 @@
+"""Fused CPU kernels for a decoder layer's elementwise steps, in contbatch's eager forwards.
+
+An eager decoder layer runs its RMS norms and its MLP's gating as a string of small ATen ops (a norm is eight: a
+dtype conversion, `pow`, `mean`, `add`, `rsqrt`, two `mul`s and another conversion), each a pass over the rows and
+a dispatch. On a decode step of 128 rows of the embedded model that is about 20 us a norm and 34 us a gating in
+float32 (33 and 47 us in bfloat16), where one pass each (`rms_norm`, `silu_mul` in `csrc/fused_ops.cpp`) takes 5
+and 17 us (8 and 27 in bfloat16) on a Zen 5 (docs/performance.md, "a twenty-third session").
+
+`fused_forward(model)` puts a `FusedRMSNorm` in the place of each module whose `forward` is transformers'
+`LlamaRMSNorm.forward` (the same code object, or the same bytecode, constants and names: the models that copy it,
+Qwen2, Qwen3, Mistral and others), and a `FusedMLP` in the place of each whose `forward` is `LlamaMLP.forward` with
+a SiLU `act_fn`, for the duration of one eager forward, and gives the model its own modules back afterwards. A
+module with hooks keeps its own forward. A fused module shares its module's parameters and children under the same
+names (`_StandIn`), so the model's tree looks the same to other threads meanwhile.
+
+The fused modules compute what the model's own do, in float32 and rounded to the input's dtype at the same points:
+the norm's sum of squares runs in another order and the SiLU's exp is a polynomial, so the results may differ from
+the model's own in the last bit (as the panel kernel's products differ from MKL's). A forward with grad enabled,
+off the CPU, or in another dtype than float32 or bfloat16, or than the weight's, runs the model's own module.
+`CONTBATCH_FUSED_MODULES=0` turns the swap off.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from contbatch.engine.cpu_kernels import kernel_module
+
+PLAN_ATTRIBUTE = "_contbatch_fused_plan"
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _same_code(function: object, reference: Callable[..., Any]) -> bool:
+    """Whether `function` is `reference`, or a function compiled from the same source text (bytecode, constants
+    and names equal: transformers' "Copied from" classes)."""
+    if function is reference:
+        return True
+    if not isinstance(function, types.FunctionType):
+        return False
+    code, own = function.__code__, reference.__code__
+    return code.co_code == own.co_code and code.co_consts == own.co_consts and code.co_names == own.co_names
+
+
+def _unhooked(module: nn.Module) -> bool:
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+def is_llama_norm(module: nn.Module) -> bool:
+    """Whether `module` computes `LlamaRMSNorm`'s forward: its class's `forward` is that code, it has a 1-D
+    `weight` parameter and a float `variance_epsilon`, and no hooks."""
+    weight = module._parameters.get("weight")
+    return (_same_code(type(module).forward, LlamaRMSNorm.forward) and weight is not None and weight.dim() == 1
+            and isinstance(module.__dict__.get("variance_epsilon"), float) and _unhooked(module))
+
+
+def is_llama_mlp(module: nn.Module) -> bool:
+    """Whether `module` computes `LlamaMLP`'s forward with SiLU: its class's `forward` is that code, its `act_fn`
+    is exactly `nn.SiLU` or transformers' `SiLUActivation`, and neither has hooks."""
+    act = module._modules.get("act_fn")
+    return (_same_code(type(module).forward, LlamaMLP.forward) and type(act) in (nn.SiLU, SiLUActivation)
+            and _unhooked(module) and act is not None and _unhooked(act))
+
+
+def _runs_fused(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a fused module takes `x`: grad off, `x` on CPU, of `dtype` (its weights'), float32 or bfloat16."""
+    return not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == dtype and dtype in _DTYPES
+
+
+class _StandIn(nn.Module):
+    """Stands for the module `own` in the model's tree: it shares `own`'s parameter, buffer and child dicts (the
+    same names and objects, so `named_parameters`, `zero_grad`, `state_dict` and `train` on another thread reach
+    the model's own tree while the stand-in is in place), and reads any other attribute from `own`."""
+
+    own: Any
+
+    def __init__(self, own: nn.Module) -> None:
+        super().__init__()
+        self.__dict__.update(own=own, _parameters=own._parameters, _buffers=own._buffers,
+                             _modules=own._modules, training=own.training)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "own" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["own"], name)
+
+    def train(self, mode: bool = True) -> _StandIn:
+        self.own.train(mode)
+        self.training = mode
+        return self
+
+
+class FusedRMSNorm(_StandIn):
+    """Stands for a `LlamaRMSNorm`-like module (`is_llama_norm`) inside contbatch's eager forwards: one pass of the
+    `rms_norm` kernel where `_runs_fused`, else the module's own forward."""
+
+    def stands_for(self, own: nn.Module) -> bool:
+        return own is self.own and is_llama_norm(own)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._parameters["weight"]
+        assert weight is not None
+        if not (_runs_fused(x, weight.dtype) and weight.device.type == "cpu" and x.shape[-1] == weight.shape[0]):
+            return self.own(x)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return kernel_module().rms_norm(rows, weight.contiguous(), self.own.variance_epsilon).view(x.shape)
+
+
+class FusedMLP(_StandIn):
+    """Stands for a `LlamaMLP`-like module with SiLU (`is_llama_mlp`) inside contbatch's eager forwards:
+    `down_proj(silu_mul(gate_proj(x), up_proj(x)))` through the module's projections (its own, or those another
+    swap put in), the gating one pass of the `silu_mul` kernel where `_runs_fused` holds for x and both
+    projections' outputs; else the module's own forward."""
+
+    def stands_for(self, own: nn.Module) -> bool:
+        return own is self.own and is_llama_mlp(own)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _runs_fused(x, x.dtype):
+            return self.own(x)
+        modules = self._modules
+        gate, up = modules["gate_proj"](x), modules["up_proj"](x)  # type: ignore[misc]
+        if not (_runs_fused(gate, x.dtype) and _runs_fused(up, x.dtype) and gate.shape == up.shape):
+            return modules["down_proj"](modules["act_fn"](gate) * up)  # type: ignore[misc]
+        width = gate.shape[-1]
+        gated = kernel_module().silu_mul(gate.reshape(-1, width).contiguous(), up.reshape(-1, width).contiguous())
+        return modules["down_proj"](gated.view(gate.shape))  # type: ignore[misc]
+
+
+Swap = tuple[nn.Module, str, nn.Module, "FusedRMSNorm | FusedMLP"]
+
+
+@dataclass
+class _Plan:
+    """The (parent, attribute, own module, fused module) swaps `fused_forward` makes in a model, found once and
+    kept on the model object (`PLAN_ATTRIBUTE`) while it holds."""
+
+    swaps: list[Swap]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Plan:
+        swaps: list[Swap] = []
+        for parent in model.modules():
+            for name, child in parent._modules.items():
+                if child is None:
+                    continue
+                if is_llama_norm(child):
+                    swaps.append((parent, name, child, FusedRMSNorm(child)))
+                elif is_llama_mlp(child):
+                    swaps.append((parent, name, child, FusedMLP(child)))
+        return cls(swaps)
+
+    def holds(self) -> bool:
+        """Whether every swapped module is still in its place, with its parameters and no hooks."""
+        return all(parent._modules.get(name) is own and fused.stands_for(own)
+                   for parent, name, own, fused in self.swaps)
+
+
+def fusing() -> bool:
+    """Whether the swap is on (`CONTBATCH_FUSED_MODULES` is not "0") and the kernels are built."""
+    return os.environ.get("CONTBATCH_FUSED_MODULES", "1") != "0" and kernel_module() is not None
+
+
+@contextmanager
+def fused_forward(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model`'s Llama-style RMS norms and SiLU MLPs are their `FusedRMSNorm` / `FusedMLP`
+    (when the kernels are built and the swap is on); the model's own modules are back afterwards, also on
+    errors. The plan is found again when a module was replaced, re-parametrised or hooked since."""
+    if not fusing():
+        yield
+        return
+    plan: _Plan | None = model.__dict__.get(PLAN_ATTRIBUTE)
+    if plan is None or not plan.holds():
+        plan = model.__dict__[PLAN_ATTRIBUTE] = _Plan.of(model)
+    try:
+        for parent, name, _, fused in plan.swaps:
+            parent._modules[name] = fused
+        yield
+    finally:
+        for parent, name, own, _ in plan.swaps:
+            parent._modules[name] = own
