@@ -52,7 +52,9 @@ def _same_code(function: object, reference: Callable[..., Any]) -> bool:
 
 
 def _unhooked(module: nn.Module) -> bool:
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+    """No hooks, and no `forward` of the instance's own (accelerate's device hooks replace it that way)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or "forward" in module.__dict__)
 
 
 def is_llama_norm(module: nn.Module) -> bool:

@@ -92,9 +92,13 @@ def test_hooked_or_other_modules_are_not_fused() -> None:
     assert is_llama_norm(layer.input_layernorm) and is_llama_mlp(layer.mlp)
     layer.input_layernorm.register_forward_hook(lambda *args: None)
     layer.mlp.act_fn = torch.nn.GELU()
+    own_forward = layer.post_attention_layernorm.forward
+    layer.post_attention_layernorm.forward = lambda x: own_forward(x)  # as accelerate's device hooks do
     assert not is_llama_norm(layer.input_layernorm) and not is_llama_mlp(layer.mlp)
+    assert not is_llama_norm(layer.post_attention_layernorm)
     plan = _Plan.of(model)
-    assert not any(own in (layer.input_layernorm, layer.mlp) for _, _, own, _ in plan.swaps)
+    skipped = (layer.input_layernorm, layer.mlp, layer.post_attention_layernorm)
+    assert not any(own in skipped for _, _, own, _ in plan.swaps) and len(plan.swaps) == 4
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
