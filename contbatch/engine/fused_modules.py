@@ -22,6 +22,7 @@ off the CPU, or in another dtype than float32 or bfloat16, or than the weight's,
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -40,9 +41,10 @@ PLAN_ATTRIBUTE = "_contbatch_fused_plan"
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=256)
 def _same_code(function: object, reference: Callable[..., Any]) -> bool:
     """Whether `function` is `reference`, or a function compiled from the same source text (bytecode, constants
-    and names equal: transformers' "Copied from" classes)."""
+    and names equal: transformers' "Copied from" classes). Cached: every forward checks its plan with it."""
     if function is reference:
         return True
     if not isinstance(function, types.FunctionType):
