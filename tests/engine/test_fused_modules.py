@@ -214,3 +214,17 @@ def test_engine_runs_fused_and_matches_generate(dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         for index, prompt in enumerate(prompts):
             assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 8)
+
+
+def test_other_dtypes_take_the_own_forward() -> None:
+    """A float32 norm fed bfloat16 (autocast-style mixing) or a float16 model: the model's own modules run."""
+    norm = LlamaRMSNorm(16)
+    fused = FusedRMSNorm(norm)
+    with torch.inference_mode():
+        for x in (torch.randn(3, 16).to(torch.bfloat16), torch.randn(3, 16).half()):
+            assert torch.equal(fused(x), norm(x))
+        half = fresh_tiny_model("llama", "cpu").half()
+        ids = torch.tensor([[5, 6, 7]])
+        want = half(ids).logits
+        with fused_forward(half):
+            assert torch.equal(half(ids).logits, want)
