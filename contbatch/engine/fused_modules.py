@@ -167,7 +167,8 @@ class _Plan:
         return cls(swaps)
 
     def holds(self) -> bool:
-        """Whether every swapped module is still in its place, with its parameters and no hooks."""
+        """Whether every swapped module is still in its place and still qualifies (the same code, a weight of the
+        norm's shape, no hooks)."""
         return all(parent._modules.get(name) is own and fused.stands_for(own)
                    for parent, name, own, fused in self.swaps)
 
