@@ -54,7 +54,7 @@ def peer_spec(name: str, args: argparse.Namespace, port: int) -> PeerSpec:
     if name == "contbatch":
         command = [sys.executable, "-m", "contbatch.cli", "serve", "--host", HOST, "--port", str(port),
                    "--served-model-name", BENCH_MODEL_ID, "--scheduler", args.scheduler,
-                   *_given(args, ("model", "threads", *_CACHE_FLAGS), "--"),
+                   *_given(args, ("model", "threads", *_CACHE_FLAGS, "max_prefill_tokens_while_decoding"), "--"),
                    *_compile_flag(getattr(args, "compile", None)),
                    "--async-batching", getattr(args, "async_batching", "auto"),
                    "--cuda-graphs", getattr(args, "cuda_graphs", "auto"),

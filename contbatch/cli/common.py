@@ -17,7 +17,8 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags to `parser`: `--model`, `--dtype`, `--block-size`, `--num-blocks`, `--max-batch-tokens`,
-    `--scheduler`, `--threads`, `--compile`, `--async-batching` and `--cuda-graphs`."""
+    `--max-prefill-tokens-while-decoding`, `--scheduler`, `--threads`, `--compile`, `--async-batching` and
+    `--cuda-graphs`."""
     parser.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
@@ -30,6 +31,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="token budget of one forward pass (default: 512 on CPU, 2048 on CPU for `contbatch "
                         "serve`, 4096 on CUDA)")
+    parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                        help="while some request is decoding, prompts get at most N of a step's tokens, which "
+                        "bounds the delay new prompts add between the tokens of running requests (default: no "
+                        "bound; `contbatch serve` on CPU: 256)")
     parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -52,6 +57,7 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype | None:
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine configuration named by the engine flags of `args` (see `add_engine_flags`)."""
     values = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_batch_tokens": args.max_batch_tokens,
+              "max_prefill_tokens_while_decoding": getattr(args, "max_prefill_tokens_while_decoding", None),
               "scheduler_type": args.scheduler, "use_default_compile_configs": getattr(args, "compile", None),
               "use_async_batching": AUTO_ON_OFF[getattr(args, "async_batching", "auto")],
               "use_cuda_graph": AUTO_ON_OFF[getattr(args, "cuda_graphs", "auto")]}

@@ -22,6 +22,12 @@ every request already decoding waits on each: on the serving benchmark 2048 (vLL
 cut the p99 inter-token latency from 1.3-1.5 s to 0.53-0.54 s at the same throughput (docs/performance.md)."""
 
 
+SERVE_PREFILL_TOKENS_WHILE_DECODING = {"cpu": 256}
+"""The served engine's `max_prefill_tokens_while_decoding` by device type when `--max-prefill-tokens-while-decoding`
+is not given (other devices: no bound). On the serving benchmark on CPU it held the p99 inter-token latency at
+160-175 ms over six runs (120-410 ms without) and halved the median time to first token, at the same output
+tok/s (docs/performance.md)."""
+
 SERVE_COMPILE = {"cpu": True}
 """Whether `contbatch serve` compiles the forward when neither `--compile` nor `--no-compile` is given, by device
 type (others: off). A server runs long enough to repay the compile, which it does before it listens
@@ -60,10 +66,14 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
 def serve_config(args: argparse.Namespace, device: torch.device) -> ContinuousBatchingConfig:
     """The served engine's configuration: the engine flags of `args`, `--max-queue-size`, and the serving defaults
     of `device`'s type for the flags not given: the token budget without `--max-batch-tokens`
-    (`SERVE_MAX_BATCH_TOKENS`), the compile without `--compile` / `--no-compile` (`SERVE_COMPILE`)."""
+    (`SERVE_MAX_BATCH_TOKENS`), the prompts' share of a step while requests decode without
+    `--max-prefill-tokens-while-decoding` (`SERVE_PREFILL_TOKENS_WHILE_DECODING`), the compile without `--compile` /
+    `--no-compile` (`SERVE_COMPILE`)."""
     values: dict[str, int | bool] = {"max_queue_size": args.max_queue_size}
     if args.max_batch_tokens is None and device.type in SERVE_MAX_BATCH_TOKENS:
         values["max_batch_tokens"] = SERVE_MAX_BATCH_TOKENS[device.type]
+    if args.max_prefill_tokens_while_decoding is None and device.type in SERVE_PREFILL_TOKENS_WHILE_DECODING:
+        values["max_prefill_tokens_while_decoding"] = SERVE_PREFILL_TOKENS_WHILE_DECODING[device.type]
     if args.compile is None:
         values["use_default_compile_configs"] = SERVE_COMPILE.get(device.type, False)
     return ContinuousBatchingConfig.from_sources(engine_config(args), values)

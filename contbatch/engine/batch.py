@@ -1,4 +1,5 @@
-"""The hand-off from the scheduler to the model runner: `SchedulerOutput`."""
+"""The hand-off from the scheduler to the model runner: `SchedulerOutput`; and `StepBudget`, what a step may still
+schedule while the scheduler fills it."""
 
 from __future__ import annotations
 
@@ -112,3 +113,29 @@ class SchedulerOutput:
         for row, scheduled in enumerate(s for s in self.requests if s.samplers):
             rows.extend([row] * len(scheduled.samplers))
         return rows
+
+
+@dataclass
+class StepBudget:
+    """The tokens a step may still schedule: `tokens` in all, of which at most `chunk_tokens` for requests that
+    compute more than one token (a prompt, whole or a chunk of it, or a sequence recomputed after preemption).
+    A request computing one token (a decode) is bounded by `tokens` alone."""
+
+    tokens: int
+    chunk_tokens: int
+
+    @classmethod
+    def of(cls, max_batch_tokens: int, max_chunk_tokens: int | None) -> StepBudget:
+        """A step's whole budget: `max_batch_tokens`, of which `max_chunk_tokens` for chunks (None: no bound)."""
+        return cls(max_batch_tokens, max_batch_tokens if max_chunk_tokens is None else min(max_chunk_tokens,
+                                                                                             max_batch_tokens))
+
+    def allowance(self, wanted: int) -> int:
+        """How many of `wanted` tokens one request may compute this step (0: none)."""
+        return max(0, min(wanted, self.tokens, self.chunk_tokens if wanted > 1 else wanted))
+
+    def spend(self, wanted: int, granted: int) -> None:
+        """Takes `granted` tokens (from `allowance(wanted)`) of a request that wanted `wanted`."""
+        self.tokens -= granted
+        if wanted > 1:
+            self.chunk_tokens -= granted

@@ -12,7 +12,8 @@ SCHEDULER_TYPES = ("fifo", "prefill_first")
 
 @dataclass(frozen=True)
 class ContinuousBatchingConfig:
-    """Every field of transformers' `ContinuousBatchingConfig`, with the same names and defaults.
+    """Every field of transformers' `ContinuousBatchingConfig`, with the same names and defaults, and one of
+    contbatch's own: `max_prefill_tokens_while_decoding`.
 
     Attributes:
         block_size: tokens per KV-cache block.
@@ -45,6 +46,12 @@ class ContinuousBatchingConfig:
             (waiting prompts are admitted before running decodes take the budget).
         return_logprobs: record the log-probability of every generated token.
         max_queue_size: bound on requests waiting to be admitted (0: unbounded).
+        max_prefill_tokens_while_decoding: in a step where some request is decoding, the requests that compute
+            more than one token (prompts, whole or in chunks, and sequences recomputed after preemption) get at
+            most this many tokens in all; decodes are bounded by `max_batch_tokens` alone. It bounds the delay a
+            burst of new prompts adds between the tokens of the requests already generating, at about the same
+            throughput (stall-free batching, as in Sarathi-Serve). None: no bound beyond `max_batch_tokens`.
+            `contbatch serve` sets 256 on CPU (docs/performance.md).
     """
 
     block_size: int = 256
@@ -64,13 +71,15 @@ class ContinuousBatchingConfig:
     scheduler_type: str = "fifo"
     return_logprobs: bool = False
     max_queue_size: int = 0
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
         if self.num_blocks is not None:
             _positive_int("num_blocks", self.num_blocks)
-        if self.max_batch_tokens is not None:
-            _positive_int("max_batch_tokens", self.max_batch_tokens)
+        for name in ("max_batch_tokens", "max_prefill_tokens_while_decoding"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         percent = self.max_memory_percent
         if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {percent!r}")

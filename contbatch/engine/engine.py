@@ -86,7 +86,8 @@ class LLMEngine:
             windows=[group.sliding_window for group in groups],
         )
         max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
-        self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type)
+        self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type,
+                                   self.config.max_prefill_tokens_while_decoding)
         config = self.config
         paths = engine_compile_paths(config, self.generation_config)
         self.model_runner = ModelRunner(model, self.cache, paths, resolve_graph_settings(

@@ -2,7 +2,9 @@
 
 There are no prefill and decode phases: every request has `num_tokens` tokens of which `num_computed_tokens` are
 in the cache, and each step the scheduler lets requests catch up, at most `max_batch_tokens` tokens in all. A
-prompt longer than the remaining budget is computed in chunks over several steps (chunked prefill).
+prompt longer than the remaining budget is computed in chunks over several steps (chunked prefill). While some
+request decodes, prompts (requests computing more than one token) get at most `max_prefill_tokens_while_decoding`
+of a step's tokens: new prompts then delay the requests already generating by a bounded step (stall-free batching).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from contbatch.engine.batch import PromptLogprobsTask, SamplingTarget, ScheduledRequest, SchedulerOutput
+from contbatch.engine.batch import PromptLogprobsTask, SamplingTarget, ScheduledRequest, SchedulerOutput, StepBudget
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.outputs import (
     EventType,
@@ -39,9 +41,6 @@ class Scheduler:
     recently admitted running request is preempted (its blocks are freed, its generated tokens kept, and it
     waits at the head of the queue to be recomputed), so no request fails because others hold the memory.
 
-    Outputs: `update_from_output` and the finishing methods return `RequestDelta`s: new tokens, status and the
-    events (queued, scheduled, preempted, finished) each request went through since its previous delta.
-
     Prompt logprobs: each chunk of a request that still needs them carries a `PromptLogprobsTask` for the prompt
     tokens it scores and has not reported yet (`Request.num_prompt_logprobs`), so a prompt recomputed after
     preemption reports nothing twice. Such a request takes from the prefix cache only the positions before the
@@ -52,9 +51,11 @@ class Scheduler:
     with reason "length" in the step that completes it, with their followers that are score-only too.
     """
 
-    def __init__(self, kv_manager: KVCacheManager, max_batch_tokens: int, policy: str = "fifo") -> None:
+    def __init__(self, kv_manager: KVCacheManager, max_batch_tokens: int, policy: str = "fifo",
+                 max_prefill_tokens_while_decoding: int | None = None) -> None:
         self.kv_manager = kv_manager
         self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.policy = policy
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -147,12 +148,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's batch and allocates the blocks its tokens need."""
         output = SchedulerOutput()
-        budget = self.max_batch_tokens
+        decoding = any(request.status == RequestStatus.DECODING for request in self.running)
+        budget = StepBudget.of(self.max_batch_tokens, self.max_prefill_tokens_while_decoding if decoding else None)
         if self.policy == "prefill_first":
-            budget = self._admit_waiting(output, budget)
+            self._admit_waiting(output, budget)
             self._schedule_running(output, budget)
         else:
-            budget = self._schedule_running(output, budget)
+            self._schedule_running(output, budget)
             self._admit_waiting(output, budget)
         return output
 
@@ -174,27 +176,26 @@ class Scheduler:
         request.num_in_flight_tokens += num_tokens
         request.num_awaited_tokens += request.tokens_appended_by(samplers)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        """Schedules the running requests that are not in `output` yet, oldest first."""
+    def _schedule_running(self, output: SchedulerOutput, budget: StepBudget) -> None:
+        """Schedules the running requests that are not in `output` yet, oldest first, from `budget`."""
         scheduled = {scheduled.request_id for scheduled in output.requests}
         for request in list(self.running):
-            if budget <= 0:
+            if budget.tokens <= 0:
                 break
             if request.status == RequestStatus.PENDING or request.request_id in scheduled:
                 continue
             if not request.can_schedule_ahead or (request.request_id in self._followers and request.num_awaited_tokens):
                 continue
-            num_tokens = min(request.num_tokens_to_compute + request.num_awaited_tokens - request.next_position,
-                             budget)
-            if num_tokens <= 0:  # a beam waiting for its group to choose its next token
+            wanted = request.num_tokens_to_compute + request.num_awaited_tokens - request.next_position
+            num_tokens = budget.allowance(wanted)
+            if num_tokens <= 0:  # a beam waiting for its group to choose its next token, or no chunk budget left
                 continue
             if not self._make_room(request, request.next_position + num_tokens, output, scheduled):
                 continue
             output.block_copies += self.kv_manager.allocate_slots(request, request.next_position + num_tokens)
             self._add_to_batch(output, request, num_tokens)
             scheduled.add(request.request_id)
-            budget -= num_tokens
-        return budget
+            budget.spend(wanted, num_tokens)
 
     def _make_room(self, request: Request, num_tokens: int, output: SchedulerOutput, scheduled: set[str]) -> bool:
         """Preempts the newest unscheduled requests until `request` can hold `num_tokens`. False when
@@ -218,22 +219,23 @@ class Scheduler:
             return victim
         return None
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, output: SchedulerOutput, budget: StepBudget) -> None:
         """Admits waiting requests in order while the budget and the free blocks allow (head-of-line: a request
         that does not fit yet stops admission, so arrival order is kept). A request starts from its longest
         cached prefix; one whose next block another request is computing right now is skipped for this step,
         to share that block once it is computed."""
         kv = self.kv_manager
         deferred: list[Request] = []
-        while self.waiting and budget > 0:
+        while self.waiting and budget.tokens > 0:
             request = self.waiting.popleft()
             hit = kv.cached_prefix(request)
             num_cached = hit.num_blocks * kv.block_size if hit else 0
             if kv.is_being_computed(request, num_cached // kv.block_size):
                 deferred.append(request)
                 continue
-            num_tokens = min(request.num_tokens_to_compute - num_cached, budget)
-            if not kv.can_allocate(request, num_cached + num_tokens, hit):
+            wanted = request.num_tokens_to_compute - num_cached
+            num_tokens = budget.allowance(wanted)
+            if num_tokens <= 0 or not kv.can_allocate(request, num_cached + num_tokens, hit):
                 self.waiting.appendleft(request)
                 break
             kv.start_with_prefix(request, hit)
@@ -245,9 +247,8 @@ class Scheduler:
             self.running.append(request)
             self._event(request, EventType.SCHEDULED)
             self._add_to_batch(output, request, num_tokens)
-            budget -= num_tokens
+            budget.spend(wanted, num_tokens)
         self.waiting.extendleft(reversed(deferred))
-        return budget
 
     # --- results ---------------------------------------------------------------------------------------------
 

@@ -142,6 +142,10 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     joined = " ".join(contbatch.command)
     assert "--port 9001" in joined and "--block-size 16" in joined and "--max-batch-tokens 128" in joined
     assert "--num-blocks" not in joined and "--compile" not in joined and "--async-batching auto" in joined
+    assert "--max-prefill-tokens-while-decoding" not in joined
+    bounded = bench_serve.peer_spec("contbatch", _bench_args("--max-prefill-tokens-while-decoding", "96"), 9001)
+    served = build_parser().parse_args(["serve", *bounded.command[4:]])
+    assert serve_config(served, torch.device("cpu")).max_prefill_tokens_while_decoding == 96
     compiled = bench_serve.peer_spec("contbatch", _bench_args("--compile", "--async-batching", "on", "--cuda-graphs",
                                                               "off", "--dtype", "bfloat16"), 9001)
     assert compiled.command[-7:] == ["--compile", "--async-batching", "on", "--cuda-graphs", "off", "--dtype",
@@ -158,6 +162,8 @@ def test_peer_specs_forward_engine_flags(tmp_path: Path) -> None:
     transformers = bench_serve.peer_spec("transformers", args, 9002)
     joined = " ".join(transformers.command)
     assert f"serve {tmp_path} --continuous-batching" in joined and "--cb-block-size 16" in joined
+    assert "prefill" not in " ".join(bench_serve.peer_spec("transformers", _bench_args(
+        "--model", str(tmp_path), "--max-prefill-tokens-while-decoding", "96"), 9002).command)
     assert transformers.model == str(tmp_path) and transformers.env["HF_HUB_OFFLINE"] == "1"
 
 

@@ -75,6 +75,7 @@ def test_generate_batch_fails_bad_requests_alone() -> None:
         ("max_memory_percent", 1.5, "max_memory_percent must be in (0, 1], got 1.5"),
         ("scheduler_type", "lifo", "scheduler_type must be one of ('fifo', 'prefill_first'), got 'lifo'"),
         ("max_queue_size", -1, "max_queue_size must be an integer >= 0, got -1"),
+        ("max_prefill_tokens_while_decoding", 0, "max_prefill_tokens_while_decoding must be an integer >= 1, got 0"),
         ("use_cuda_graph", "yes", "use_cuda_graph must be a bool or None, got 'yes'"),
         ("return_logprobs", 1, "return_logprobs must be a bool, got 1"),
         ("decode_compile_config", {"fullgraph": True}, "decode_compile_config must be a transformers CompileConfig"),

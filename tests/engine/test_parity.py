@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contbatch.engine import attention, cpu_kernels
+from contbatch.engine.step_timer import RecordingStepTimer, StepRecord
 from contbatch.frontend.output_processor import OutputCollector
 from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -75,12 +76,16 @@ def test_eos_stops_and_is_kept() -> None:
     assert request.finish_reason == "stop"
 
 
-def test_requests_added_while_running_match_generate() -> None:
+@pytest.mark.parametrize("prefill_while_decoding", [None, 3], ids=["whole-budget", "3-while-decoding"])
+def test_requests_added_while_running_match_generate(prefill_while_decoding: int | None) -> None:
     model = tiny_model("qwen3")
     prompts = random_prompts([7, 20, 3, 33], seed=4)
     collector = OutputCollector()
     finished = collector.finished
-    with make_engine(model, block_size=4, num_blocks=100, max_batch_tokens=16) as engine:
+    with make_engine(model, block_size=4, num_blocks=100, max_batch_tokens=16,
+                     max_prefill_tokens_while_decoding=prefill_while_decoding) as engine:
+        steps: list[StepRecord] = []
+        engine.step_timer = RecordingStepTimer(steps.append)
         engine.add_request(prompts[0], request_id="a", max_new_tokens=12)
         for step in range(40):
             if step == 3:
@@ -93,3 +98,5 @@ def test_requests_added_while_running_match_generate() -> None:
     for rid, prompt, max_new in zip("abcd", prompts, [12, 8, 5, 9], strict=True):
         assert finished[rid].generated_tokens == reference_generate(model, prompt, max_new)
     assert engine.block_pool.is_whole
+    mixed = [step.num_prefill_tokens for step in steps if step.num_decode_tokens and step.num_prefill_tokens]
+    assert mixed and max(mixed) == (prefill_while_decoding or 16 - 1)

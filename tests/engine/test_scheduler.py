@@ -11,8 +11,9 @@ from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.scheduler import Scheduler
 
 
-def make_scheduler(num_blocks: int = 100, block_size: int = 4, budget: int = 16, policy: str = "fifo") -> Scheduler:
-    return Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), budget, policy)
+def make_scheduler(num_blocks: int = 100, block_size: int = 4, budget: int = 16, policy: str = "fifo",
+                   prefill_while_decoding: int | None = None) -> Scheduler:
+    return Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), budget, policy, prefill_while_decoding)
 
 
 def make_request(request_id: str, prompt_len: int, max_new_tokens: int = 8) -> Request:
@@ -60,6 +61,36 @@ def test_prefill_first_admits_waiting_prompts_before_decodes() -> None:
     scheduler.add_request(make_request("b", 20))
     assert run_step(scheduler) == [("b", 10)]
     assert run_step(scheduler) == [("a", 1), ("b", 9)]
+
+
+def test_prompts_share_of_a_step_is_bounded_only_while_some_request_decodes() -> None:
+    scheduler = make_scheduler(budget=16, prefill_while_decoding=5)
+    scheduler.add_request(make_request("a", 20))
+    assert run_step(scheduler) == [("a", 16)]  # nothing decodes yet: the whole budget
+    assert run_step(scheduler) == [("a", 4)]
+    scheduler.add_request(make_request("b", 12))
+    assert run_step(scheduler) == [("a", 1), ("b", 5)]
+    scheduler.add_request(make_request("c", 3))
+    assert run_step(scheduler) == [("a", 1), ("b", 5)]  # c waits: the prompts' 5 tokens are spent
+    assert run_step(scheduler) == [("a", 1), ("b", 2), ("c", 3)]
+    assert run_step(scheduler) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_decodes_are_never_cut_by_the_prompts_bound() -> None:
+    scheduler = make_scheduler(budget=16, prefill_while_decoding=2)
+    for index in range(6):
+        scheduler.add_request(make_request(f"r{index}", 2))
+    assert run_step(scheduler) == [(f"r{index}", 2) for index in range(6)]
+    scheduler.add_request(make_request("p", 9))
+    assert run_step(scheduler) == [*((f"r{index}", 1) for index in range(6)), ("p", 2)]
+
+
+def test_prefill_first_keeps_the_bound_while_some_request_decodes() -> None:
+    scheduler = make_scheduler(budget=10, policy="prefill_first", prefill_while_decoding=4)
+    scheduler.add_request(make_request("a", 6))
+    assert run_step(scheduler) == [("a", 6)]
+    scheduler.add_request(make_request("b", 20))
+    assert run_step(scheduler) == [("b", 4), ("a", 1)]
 
 
 def test_request_that_does_not_fit_waits_instead_of_failing() -> None:

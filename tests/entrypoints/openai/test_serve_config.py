@@ -1,5 +1,5 @@
-"""`contbatch serve`'s engine configuration: the serving token budget and the compile on CPU, the flags that override
-them, and the compile done before the server listens."""
+"""`contbatch serve`'s engine configuration: the serving token budget, the prompts' share of a step while requests
+decode and the compile on CPU, the flags that override them, and the compile done before the server listens."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.cli import build_parser
 from contbatch.cli.common import engine_config
-from contbatch.cli.serve import SERVE_COMPILE, SERVE_MAX_BATCH_TOKENS, compile_before_serving, serve_config
+from contbatch.cli.serve import (
+    SERVE_COMPILE,
+    SERVE_MAX_BATCH_TOKENS,
+    SERVE_PREFILL_TOKENS_WHILE_DECODING,
+    compile_before_serving,
+    serve_config,
+)
 from contbatch.engine.compile import SHARED_ATTRIBUTE
 from contbatch.engine.engine import DEFAULT_MAX_BATCH_TOKENS
 
@@ -31,6 +37,19 @@ def test_an_explicit_budget_wins() -> None:
 
 def test_other_devices_keep_the_engine_default() -> None:
     assert _config(device="cuda").max_batch_tokens is None
+
+
+def test_serve_bounds_prefill_while_decoding_on_cpu_unless_told_otherwise() -> None:
+    assert SERVE_PREFILL_TOKENS_WHILE_DECODING == {"cpu": 256}
+    assert _config().max_prefill_tokens_while_decoding == 256
+    assert _config("--max-prefill-tokens-while-decoding", "64").max_prefill_tokens_while_decoding == 64
+    assert _config(device="cuda").max_prefill_tokens_while_decoding is None
+
+
+def test_the_flag_reaches_every_command_and_none_bounds_nothing() -> None:
+    args = build_parser().parse_args(["generate", "--max-prefill-tokens-while-decoding", "32"])
+    assert engine_config(args).max_prefill_tokens_while_decoding == 32
+    assert engine_config(build_parser().parse_args(["generate"])).max_prefill_tokens_while_decoding is None
 
 
 def test_serve_compiles_on_cpu_unless_told_not_to() -> None:
