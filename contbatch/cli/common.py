@@ -42,8 +42,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "the first steps pay the compile time (default: off; `contbatch serve` on CPU: on, "
                         "compiled before it listens)")
     parser.add_argument("--async-batching", choices=tuple(AUTO_ON_OFF), default="auto",
-                        help="use_async_batching: prepare the next step while the forward runs (auto: off, "
-                        "measured slower on a GPU and no faster on a CPU)")
+                        help="use_async_batching: prepare the next step while the forward runs (auto: on for a "
+                        "CUDA model, off on a CPU, where it measured no faster)")
     parser.add_argument("--cuda-graphs", choices=tuple(AUTO_ON_OFF), default="auto",
                         help="use_cuda_graph: replay decode steps from captured CUDA graphs (auto: on for a model "
                         "on a CUDA device)")

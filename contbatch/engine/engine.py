@@ -101,7 +101,7 @@ class LLMEngine:
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
         self.model = model
         self._weights: WeightsFingerprint | None = None
-        self.async_batching = resolve_async_batching(config.use_async_batching)
+        self.async_batching = resolve_async_batching(config.use_async_batching, device)
         self.pipeline = StepPipeline(self.scheduler, self.model_runner, self.beam_search, self.block_pool,
                                      self.async_batching)
         self.step_timer: StepTimer = NO_STEP_TIMER

@@ -210,11 +210,14 @@ class StepPipeline:
                                          f"request {request.request_id!r} cannot fit in the KV cache even alone")
 
 
-def resolve_async_batching(use_async_batching: bool | None) -> bool:
-    """`ContinuousBatchingConfig.use_async_batching`: True or False as set; None (auto) is off, where it measured
-    slower or no faster: on an H100 with decode graphs, 9.6-11.2k against 13.0-16.1k generated tok/s (the forward
-    thread and the scheduling thread take turns at the GIL); on a CPU no faster (its host work is ~2% of a step)."""
-    return use_async_batching is True
+def resolve_async_batching(use_async_batching: bool | None, device: torch.device) -> bool:
+    """`ContinuousBatchingConfig.use_async_batching`: True or False as set; None (auto) is on for a model on a CUDA
+    device, whose forwards launch on the engine thread (`ForwardWorker(inline=True)`): on an H200 with decode graphs
+    it measured 1.6-1.9x the synchronous engine's generated tok/s (docs/performance.md). On a CPU it is off: there
+    the host work it hides is about 2% of a step, and its worker thread measured no faster."""
+    if use_async_batching is None:
+        return device.type == "cuda"
+    return use_async_batching
 
 
 def _forward_thread_setup(num_threads: int, device: torch.device) -> None:

@@ -123,7 +123,10 @@ def _record_hand_offs(engine: LLMEngine) -> list[tuple[bool, list[bool]]]:
 
 
 def test_the_next_step_is_prepared_while_the_forward_runs() -> None:
-    model = tiny_model("llama")
+    """The worker-thread form (a CPU model): each forward waits for the engine thread to schedule and prepare the
+    next step. A CUDA model launches on the engine thread itself (`ForwardWorker(inline=True)`), where such a wait
+    could never end."""
+    model = tiny_model("llama", "cpu")
     prompts = random_prompts(LENGTHS, seed=22)
     with make_engine(model, use_async_batching=True, block_size=4, num_blocks=200, max_batch_tokens=16) as engine:
         hand_offs = _record_hand_offs(engine)
@@ -270,13 +273,17 @@ def test_forwards_are_launched_inline_for_a_cuda_model_and_on_a_thread_on_a_cpu(
         assert pipeline._worker.inline
 
 
-def test_async_batching_is_off_unless_asked_for() -> None:
-    """Auto (None) is off, with CUDA graphs too: on an H100 it measured slower (docs/performance.md)."""
-    with LLMEngine(tiny_model("llama"), config=ContinuousBatchingConfig()) as engine:
+def test_async_batching_auto_is_on_for_a_cuda_model_only() -> None:
+    """Auto (None) is on where the forward launches on a GPU (1.6-1.9x on an H200, docs/performance.md) and off
+    on a CPU; True and False are taken as set on either."""
+    with LLMEngine(tiny_model("llama", "cpu"), config=ContinuousBatchingConfig()) as engine:
         assert not engine.async_batching
-    assert resolve_async_batching(None) is False
-    assert resolve_async_batching(True) is True
-    assert resolve_async_batching(False) is False
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_async_batching(None, cpu) is False
+    assert resolve_async_batching(None, cuda) is True
+    for device in (cpu, cuda):
+        assert resolve_async_batching(True, device) is True
+        assert resolve_async_batching(False, device) is False
 
 
 def test_decode_graphs_replayed_on_the_forward_thread_match_generate() -> None:

@@ -26,7 +26,8 @@ ROUNDINGS = 4
 
 
 def _bf16_model() -> nn.Module:
-    return fresh_tiny_model("llama").to(torch.bfloat16)
+    """A CPU model: this file tests the CPU's bfloat16 products and kernels, whatever `CONTBATCH_TEST_DEVICE`."""
+    return fresh_tiny_model("llama", "cpu").to(torch.bfloat16)
 
 
 def test_bf16_linears_are_packed_for_every_row_count() -> None:
