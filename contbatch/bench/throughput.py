@@ -327,13 +327,14 @@ def _gflops(product: Callable[[], object], flop: float, seconds: float) -> float
     return flop * iterations / elapsed / 1e9
 
 
-def format_table(results: list[BenchResult], reference: str, gemm_gflops: float, num_params: int) -> str:
+def format_table(results: list[BenchResult], reference: str, gemm_gflops: float | None, num_params: int) -> str:
     """Render the results as a markdown table plus a line relating the reference engine to the GEMM rate.
 
     Columns: engine | wall s | generated tokens | generated tok/s | processed tok/s | ratio, where ratio is
     the engine's generated tok/s divided by the `reference` engine's. The closing line gives the measured
     float32 GEMM rate, the processed-token rate it allows at 2 * `num_params` FLOP per token, and the share of
-    that rate the reference engine's processed tok/s reaches.
+    that rate the reference engine's processed tok/s reaches; with `gemm_gflops` None (a model off the CPU, whose
+    rate the CPU's probe does not bound) there is no such line.
 
     Raises:
         ValueError: no result is named `reference`.
@@ -352,6 +353,8 @@ def format_table(results: list[BenchResult], reference: str, gemm_gflops: float,
             f"| {r.engine} | {r.wall_s:.2f} | {r.generated_tokens} | {r.generated_tok_s:.1f} "
             f"| {r.processed_tok_s:.1f} | {ratio:.2f}x |"
         )
+    if gemm_gflops is None:
+        return "\n".join(lines)
     allowed = gemm_gflops * 1e9 / (2.0 * num_params)
     share = ref.processed_tok_s / allowed if allowed > 0 else float("nan")
     lines.append("")

