@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import secrets
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.entrypoints.openai import chat, completions, models, tokenization
@@ -38,9 +39,10 @@ def create_app(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, model_n
     app = FastAPI(title="contbatch", version="0.1.0")
     metrics = ServerMetrics(engine)
     engine.add_metrics_sink(metrics)
-    app.state.contbatch = ServerState(engine, AsyncClient(engine), tokenizer, model_name, api_key, max_body_bytes,
-                                      metrics, tool_call_parser, TemplateSupport.probe(tokenizer))
-    app.middleware("http")(_guard)
+    state = ServerState(engine, AsyncClient(engine), tokenizer, model_name, api_key, max_body_bytes, metrics,
+                        tool_call_parser, TemplateSupport.probe(tokenizer))
+    app.state.contbatch = state
+    app.add_middleware(RequestGuard, state=state)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     for module in (models, completions, chat, tokenization):
@@ -48,19 +50,34 @@ def create_app(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, model_n
     return app
 
 
-async def _guard(request: Request, call_next: Any) -> Response:
-    """Rejects bodies over the size limit (413) and /v1 calls without the API key (401)."""
-    state: ServerState = request.app.state.contbatch
-    length = request.headers.get("content-length")
+class RequestGuard:
+    """Rejects bodies over the size limit (413) and /v1 calls without the API key (401), from the request's
+    headers, before the app sees them. A plain ASGI middleware: a streamed response's chunks pass straight through
+    (Starlette's `BaseHTTPMiddleware` relays each one through a memory stream and a task of its own)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = _rejection(self.state, Headers(scope=scope), scope["path"])
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _rejection(state: ServerState, headers: Headers, path: str) -> APIError | None:
+    length = headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
-        return _error(APIError(413, f"request body of {length} bytes exceeds the limit of {state.max_body_bytes} "
-                                    "bytes", code="request_too_large"))
-    if state.api_key and request.url.path.startswith("/v1"):
-        given = request.headers.get("authorization", "")
+        return APIError(413, f"request body of {length} bytes exceeds the limit of {state.max_body_bytes} bytes",
+                        code="request_too_large")
+    if state.api_key and path.startswith("/v1"):
+        given = headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-            return _error(APIError(401, "missing or wrong API key", code="invalid_api_key",
-                                   kind="authentication_error"))
-    return await call_next(request)
+            return APIError(401, "missing or wrong API key", code="invalid_api_key", kind="authentication_error")
+    return None
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
