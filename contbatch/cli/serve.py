@@ -12,7 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from contbatch import ContinuousBatchingConfig, generate_batch
 from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
-from contbatch.engine.compile import engine_compile_paths
+from contbatch.engine.compile import engine_compile_paths, served_compile_config
 from contbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 SERVE_MAX_BATCH_TOKENS = {"cpu": 2048}
@@ -68,7 +68,8 @@ def serve_config(args: argparse.Namespace, device: torch.device) -> ContinuousBa
     of `device`'s type for the flags not given: the token budget without `--max-batch-tokens`
     (`SERVE_MAX_BATCH_TOKENS`), the prompts' share of a step while requests decode without
     `--max-prefill-tokens-while-decoding` (`SERVE_PREFILL_TOKENS_WHILE_DECODING`), the compile without `--compile` /
-    `--no-compile` (`SERVE_COMPILE`)."""
+    `--no-compile` (`SERVE_COMPILE`). Compiled paths take `served_compile_config()`: the server owns its model and
+    changes none of its modules, so dynamo skips their guards on every call."""
     values: dict[str, int | bool] = {"max_queue_size": args.max_queue_size}
     if args.max_batch_tokens is None and device.type in SERVE_MAX_BATCH_TOKENS:
         values["max_batch_tokens"] = SERVE_MAX_BATCH_TOKENS[device.type]
@@ -76,7 +77,12 @@ def serve_config(args: argparse.Namespace, device: torch.device) -> ContinuousBa
         values["max_prefill_tokens_while_decoding"] = SERVE_PREFILL_TOKENS_WHILE_DECODING[device.type]
     if args.compile is None:
         values["use_default_compile_configs"] = SERVE_COMPILE.get(device.type, False)
-    return ContinuousBatchingConfig.from_sources(engine_config(args), values)
+    config = ContinuousBatchingConfig.from_sources(engine_config(args), values)
+    if not config.use_default_compile_configs:
+        return config
+    served = served_compile_config()
+    return ContinuousBatchingConfig.from_sources(config, {"varlen_compile_config": served,
+                                                          "decode_compile_config": served})
 
 
 def compile_before_serving(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,

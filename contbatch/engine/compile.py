@@ -84,6 +84,20 @@ def default_compile_config() -> CompileConfig:
     return CompileConfig(dynamic=True, mode="default")
 
 
+def served_compile_config() -> CompileConfig:
+    """`default_compile_config()` for a model whose modules nothing changes while it is compiled, as `contbatch
+    serve`'s: before each call dynamo checks guards on the inputs only, none on the model's `nn.Module`
+    attributes (`torch.compiler.skip_guard_on_all_nn_modules_unsafe`). On a 2-core Zen 5 a call's guard check
+    took 0.13 ms against 0.99 ms, about 2.5% of a 32-request decode step. A module changed after compiling (a
+    train/eval switch, an adapter turned on or off, a hook) would then run the graph compiled before the change,
+    which is why the library's own default keeps the guards. Where torch lacks the filter, the default config."""
+    config = default_compile_config()
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    if skip is not None:
+        config.options = {"guard_filter_fn": skip}
+    return config
+
+
 def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
     """`torch.compile` keywords for `config` (torch takes `mode` or `options`, not both: options win). `freezing`
     is left out: inductor decides on it from its global config, which `torch.compile(options=...)` does not

@@ -8,10 +8,17 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from transformers import CompileConfig, GenerationConfig
 
 from contbatch.engine import engine as engine_module
-from contbatch.engine.compile import compile_kwargs, compile_paths, default_compile_config, generation_compile_config
+from contbatch.engine.compile import (
+    compile_kwargs,
+    compile_paths,
+    default_compile_config,
+    generation_compile_config,
+    served_compile_config,
+)
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.engine import LLMEngine
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
@@ -155,3 +162,31 @@ def test_one_graph_serves_steps_of_one_token_and_of_fewer_than_two_logits_rows(n
     assert finished["first"].generated_tokens == reference_generate(model, first, 3)
     assert finished["second"].generated_tokens == reference_generate(model, first[:4], 3)
     check_entries(finished["logprobs"].prompt_logprobs, reference_logprobs(reference, logprobs), logprobs, 1)
+
+
+class _Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (3.0 if self.training else 1.0)
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"), reason="torch too old")
+def test_the_served_config_skips_module_guards_and_the_default_keeps_them() -> None:
+    """The library's default guards the model's module attributes: a train/eval switch after compiling
+    recompiles. `served_compile_config()`, for a model nothing changes (`contbatch serve`'s), checks none: the
+    graph compiled before the switch runs on."""
+    x = torch.randn(2, 4)
+    for config, guarded in ((default_compile_config(), True), (served_compile_config(), False)):
+        torch._dynamo.reset()
+        module = _Flagged().eval()
+        forward = torch.compile(module.forward, **{**compile_kwargs(config), "backend": "eager"})
+        evaluated = forward(x)
+        module.train()
+        with torch.no_grad():
+            expected = module.linear(x) * (3.0 if guarded else 1.0)
+        torch.testing.assert_close(forward(x), expected)
+        torch.testing.assert_close(evaluated, module.linear(x))
+

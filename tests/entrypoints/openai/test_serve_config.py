@@ -17,7 +17,7 @@ from contbatch.cli.serve import (
     compile_before_serving,
     serve_config,
 )
-from contbatch.engine.compile import SHARED_ATTRIBUTE
+from contbatch.engine.compile import SHARED_ATTRIBUTE, served_compile_config
 from contbatch.engine.engine import DEFAULT_MAX_BATCH_TOKENS
 
 
@@ -56,6 +56,10 @@ def test_serve_compiles_on_cpu_unless_told_not_to() -> None:
     assert SERVE_COMPILE == {"cpu": True}
     assert _config().use_default_compile_configs is True
     assert _config("--no-compile").use_default_compile_configs is False
+    served = served_compile_config()
+    assert _config().varlen_compile_config == _config().decode_compile_config == served
+    assert served.options == {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    assert _config("--no-compile").decode_compile_config is None
     assert _config("--compile", device="cuda").use_default_compile_configs is True
     assert not _config(device="cuda").use_default_compile_configs
     for command in (["generate", "--input", "in.jsonl"], ["bench"]):
