@@ -4,6 +4,9 @@ float32, and in bfloat16 in both layouts (lines widened to float32, and k pairs 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -171,3 +174,33 @@ def test_mixed_dtypes_are_refused() -> None:
         gemm(torch.randn(3, 8).to(torch.bfloat16), pack_panels(torch.randn(20, 8)), 20, None)  # type: ignore[misc]
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         gemm(torch.randn(3, 8).half(), pack_panels(torch.randn(20, 8).half()), 20, None)  # type: ignore[misc]
+
+
+def test_the_product_runs_without_the_gil() -> None:
+    """While one thread is inside a long product, another thread runs Python: the kernel releases the GIL (a
+    server's event loop, or a trainer beside the engine thread, is not stalled for a whole product). With the GIL
+    held, the other thread runs no bytecode from the call's start until the kernel returns (it gets the GIL back
+    only then, while the calling thread waits to record the end): none in the window checked here."""
+    gemm = panel_gemm()
+    assert gemm is not None
+    x, weight = torch.randn(8192, 576), torch.randn(3072, 576)
+    panels = pack_panels(weight)
+    gemm(x[:64], panels, 3072, None)
+    span: list[float] = []
+    done = threading.Event()
+
+    def product() -> None:
+        span.append(time.perf_counter())
+        gemm(x, panels, 3072, None)
+        span.append(time.perf_counter())
+        done.set()
+
+    worker = threading.Thread(target=product)
+    stamps: list[float] = []
+    worker.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())
+    worker.join()
+    start, end = span
+    assert end - start > 0.01, "the product is too short to tell"
+    assert any(start + (end - start) / 10 < stamp < start + (end - start) / 2 for stamp in stamps)

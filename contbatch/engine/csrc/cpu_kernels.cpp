@@ -140,18 +140,23 @@ torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& st
                             const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
 bool has_vnni();
 
+// The compute kernels run without the GIL (they touch no Python object): other Python threads (a server's event
+// loop, a trainer beside the engine thread) run while a kernel does, instead of waiting for its end.
+const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_rows", &write_rows, "store K/V rows at cache slots");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged attention of query rows (CPU)");
-  m.def("row_argmax", &row_argmax, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
+  m.def("write_rows", &write_rows, kNoGil, "store K/V rows at cache slots");
+  m.def("paged_decode_attention", &paged_decode_attention, kNoGil, "paged attention of query rows (CPU)");
+  m.def("row_argmax", &row_argmax, kNoGil, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");
   m.def("has_pair_panels", &has_pair_panels, "whether panel_linear takes bfloat16 panels in k pairs (AVX512-BF16)");
-  m.def("panel_linear", &panel_linear, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
-  m.def("rms_norm", &rms_norm, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
-  m.def("silu_mul", &silu_mul, "F.silu(gate) * up (CPU, float32 or bfloat16)");
-  m.def("screen_quantize", &screen_quantize, "hidden rows as int8 codes + 128, with their scale and error norms");
-  m.def("screen_tokens", &screen_tokens, "greedy tokens of the output head through the int8 screen");
+  m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
+  m.def("rms_norm", &rms_norm, kNoGil, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
+  m.def("silu_mul", &silu_mul, kNoGil, "F.silu(gate) * up (CPU, float32 or bfloat16)");
+  m.def("screen_quantize", &screen_quantize, kNoGil,
+        "hidden rows as int8 codes + 128, with their scale and error norms");
+  m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");
   m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }
