@@ -22,11 +22,12 @@ every request already decoding waits on each: on the serving benchmark 2048 (vLL
 cut the p99 inter-token latency from 1.3-1.5 s to 0.53-0.54 s at the same throughput (docs/performance.md)."""
 
 
-SERVE_PREFILL_TOKENS_WHILE_DECODING = {"cpu": 256}
+SERVE_PREFILL_TOKENS_WHILE_DECODING = {"cpu": 128}
 """The served engine's `max_prefill_tokens_while_decoding` by device type when `--max-prefill-tokens-while-decoding`
-is not given (other devices: no bound). On the serving benchmark on CPU it held the p99 inter-token latency at
-160-175 ms over six runs (120-410 ms without) and halved the median time to first token, at the same output
-tok/s (docs/performance.md)."""
+is not given (other devices: no bound). On the serving benchmark on a 2-core Zen 5, four alternating rounds: 128
+held the p99 inter-token latency at 111-128 ms, against 182-188 ms at 256 and 98-410 ms with no bound, at the same
+output tok/s and a median time to first token half of the unbounded one's; 64 cost 7% of the throughput
+(docs/performance.md, "a twenty-fourth session")."""
 
 SERVE_COMPILE = {"cpu": True}
 """Whether `contbatch serve` compiles the forward when neither `--compile` nor `--no-compile` is given, by device

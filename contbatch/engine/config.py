@@ -51,7 +51,7 @@ class ContinuousBatchingConfig:
             most this many tokens in all; decodes are bounded by `max_batch_tokens` alone. It bounds the delay a
             burst of new prompts adds between the tokens of the requests already generating, at about the same
             throughput (stall-free batching, as in Sarathi-Serve). None: no bound beyond `max_batch_tokens`.
-            `contbatch serve` sets 256 on CPU (docs/performance.md).
+            `contbatch serve` sets 128 on CPU (docs/performance.md).
     """
 
     block_size: int = 256

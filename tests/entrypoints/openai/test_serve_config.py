@@ -40,8 +40,8 @@ def test_other_devices_keep_the_engine_default() -> None:
 
 
 def test_serve_bounds_prefill_while_decoding_on_cpu_unless_told_otherwise() -> None:
-    assert SERVE_PREFILL_TOKENS_WHILE_DECODING == {"cpu": 256}
-    assert _config().max_prefill_tokens_while_decoding == 256
+    assert SERVE_PREFILL_TOKENS_WHILE_DECODING == {"cpu": 128}
+    assert _config().max_prefill_tokens_while_decoding == 128
     assert _config("--max-prefill-tokens-while-decoding", "64").max_prefill_tokens_while_decoding == 64
     assert _config(device="cuda").max_prefill_tokens_while_decoding is None
 
