@@ -263,23 +263,46 @@ def _pair_ms(values: Sequence[float]) -> str:
     return f"{percentile(values, 50) * 1e3:.1f} / {percentile(values, 99) * 1e3:.1f}" if values else "-"
 
 
+def _output_rate(run: RunSummary) -> float:
+    return sum(result.completion_tokens for result in run.ok) / run.duration_s
+
+
+def _comparison(summaries: Sequence[RunSummary]) -> list[str]:
+    """With two engines or more: each engine's mean output tok/s over its runs and the p99 of its runs' pooled
+    inter-token gaps, then the first engine's mean over each other's (the same-run ratio the benchmark is for)."""
+    runs: dict[str, list[RunSummary]] = {}
+    for run in summaries:
+        runs.setdefault(run.engine, []).append(run)
+    if len(runs) < 2:
+        return []
+    means = {engine: sum(map(_output_rate, group)) / len(group) for engine, group in runs.items()}
+    parts = []
+    for engine, group in runs.items():
+        gaps = [gap for run in group for result in run.ok for gap in result.itl_s]
+        p99 = f"{percentile(gaps, 99) * 1e3:.1f} ms" if gaps else "-"
+        parts.append(f"{engine} {means[engine]:.1f} output tok/s (mean of {len(group)}), ITL p99 {p99} (pooled)")
+    first, *others = runs
+    ratios = ", ".join(f"{first} / {other}: {means[first] / means[other]:.2f}x" for other in others if means[other])
+    return [f"Over runs: {'; '.join(parts)}." + (f" {ratios}." if ratios else "")]
+
+
 def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int, max_tokens: int,
                  skipped: Sequence[tuple[str, str]] = (), load: str = "") -> str:
-    """Render the runs as a markdown table under a workload line; then a line per skipped peer and per peer
-    with failed requests. Throughputs count only ok requests; ITL percentiles pool every ok request's gaps."""
+    """Render the runs as a markdown table under a workload line; then, with two engines or more, a line comparing
+    their means (`_comparison`); then a line per skipped peer and per peer with failed requests. Throughputs count
+    only ok requests; ITL percentiles pool every ok request's gaps."""
     lines = [f"rate {rate:g} req/s (Poisson arrivals), N={num_prompts} prompts, M={max_tokens} max tokens"
              + (f", {load}" if load else ""), "",
              "| engine | requests ok / total | duration s | output tok/s | requests/s | TTFT p50 / p99 (ms) "
              "| ITL p50 / p99 (ms) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    notes: list[str] = []
+    notes: list[str] = _comparison(summaries)
     for run in summaries:
         ok = run.ok
-        tokens = sum(result.completion_tokens for result in ok)
         ttft = [result.ttft_s for result in ok if result.ttft_s is not None]
         itl = [gap for result in ok for gap in result.itl_s]
         lines.append(f"| {run.engine} | {len(ok)} / {len(run.results)} | {run.duration_s:.2f} "
-                     f"| {tokens / run.duration_s:.1f} | {len(ok) / run.duration_s:.2f} | {_pair_ms(ttft)} "
+                     f"| {_output_rate(run):.1f} | {len(ok) / run.duration_s:.2f} | {_pair_ms(ttft)} "
                      f"| {_pair_ms(itl)} |")
         failed = [result.error for result in run.results if not result.ok]
         if failed:

@@ -131,6 +131,20 @@ def test_format_table_counts_only_ok_requests() -> None:
     assert "transformers: skipped: no deps" in table and "more" not in table
 
 
+def test_format_table_compares_the_engines_means_over_their_runs() -> None:
+    def run(engine: str, tokens: int, seconds: float, gaps: list[float]) -> RunSummary:
+        return RunSummary(engine, [RequestResult(ttft_s=0.1, itl_s=gaps, completion_tokens=tokens)], seconds)
+
+    runs = [run("contbatch", 300, 1.0, [0.01] * 99 + [0.2]), run("vllm", 200, 1.0, [0.02] * 100),
+            run("contbatch", 500, 1.0, [0.01] * 100), run("vllm", 300, 1.5, [0.02] * 99 + [0.5])]
+    table = format_table(runs, float("inf"), 1, 8)
+    line = next(line for line in table.splitlines() if line.startswith("Over runs:"))
+    assert "contbatch 400.0 output tok/s (mean of 2)" in line and "vllm 200.0 output tok/s (mean of 2)" in line
+    assert "contbatch / vllm: 2.00x." in line
+    assert "ITL p99 10.0 ms (pooled)" in line and "ITL p99 20.0 ms (pooled)" in line
+    assert "Over runs" not in format_table(runs[:1] + runs[2:3], 1.0, 1, 8)
+
+
 def _bench_args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "--serve", *extra])
 
