@@ -10,10 +10,22 @@
 set -uo pipefail
 WHEELS=$1 CONFIG=$2 OUT=$3 WHAT=${4:-all}
 # The parity, graph, async and API suites first; the C++ kernels', compile, fused-module, head-screen and
-# structured-output files assert CPU specifics or need the embedded model.
+# structured-output files assert CPU specifics or need the embedded model. GPU_TEST_FILES (space-separated) runs
+# others instead: GPU_TEST_FILES=rest, the engine files no GPU session has run yet.
 TEST_FILES=(tests/engine/test_parity.py tests/engine/test_cuda_graphs.py tests/engine/test_async_batching.py
   tests/test_api.py tests/test_manager.py tests/engine/test_bfloat16.py tests/engine/test_sliding_window.py
   tests/engine/test_generate_semantics.py tests/engine/test_n_samples.py tests/engine/test_prefix_cache.py)
+REST=(tests/engine/test_attached_model.py tests/engine/test_attention_groups.py tests/engine/test_bad_input.py
+  tests/engine/test_beam_search.py tests/engine/test_fork.py tests/engine/test_logits_processors.py
+  tests/engine/test_logprobs_mode.py tests/engine/test_ops.py tests/engine/test_prompt_logprobs.py
+  tests/engine/test_sampler.py tests/engine/test_scheduler.py tests/engine/test_score_requests.py
+  tests/engine/test_sleep.py tests/engine/test_step_outputs.py tests/engine/test_touch_limit.py
+  tests/engine/test_weights.py tests/engine/test_block_pool.py)
+case ${GPU_TEST_FILES:-} in
+  "") ;;
+  rest) TEST_FILES=("${REST[@]}") ;;
+  *) read -r -a TEST_FILES <<<"$GPU_TEST_FILES" ;;
+esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
