@@ -5,7 +5,8 @@
 # Usage: examples/gpu_session.sh WHEELS_DIR CONFIG_DIR OUT_DIR [tests|bench|confirm|all]
 #   WHEELS_DIR: wheels to install over the machine's packages (transformers in pyproject's range);
 #   CONFIG_DIR: config.json and tokenizer files of the model whose shape is benchmarked;
-#   OUT_DIR:    logs (tests.log, bench-*.log, profile.txt: at most 8 files come back from a lent machine).
+#   OUT_DIR:    logs: tests.log, bench.log (every benchmark, one after another), profile.txt (a lent machine
+#               returns at most 8 files: one per benchmark would be too many).
 # confirm: the tests, then the default settings once at 512 prompts and float32 outputs against static generate.
 set -uo pipefail
 WHEELS=$1 CONFIG=$2 OUT=$3 WHAT=${4:-all}
@@ -47,13 +48,13 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == all ]]; then
   python3 examples/random_weights_model.py "$CONFIG" /tmp/rw >/dev/null || exit 1
   bench() {  # name, then flags
     local name=$1; shift
-    timeout 120 python3 -m contbatch.cli bench --model /tmp/rw --static-batch-size 128 "$@" >"$OUT/bench-$name.log" 2>&1
-    echo "$name rc=$?"; grep -E "^\| (contbatch|static|transformers)" "$OUT/bench-$name.log"
+    timeout 120 python3 -m contbatch.cli bench --model /tmp/rw --static-batch-size 128 "$@" >/tmp/bench-run.log 2>&1
+    echo "$name rc=$?"; grep -E "^\| (contbatch|static|transformers)|agree" /tmp/bench-run.log
+    { echo "=== $name: $*"; cat /tmp/bench-run.log; } >>"$OUT/bench.log"
   }
   if [[ $WHAT == confirm ]]; then  # the defaults (auto), and float32 outputs against static generate
     bench auto-512 --engines contbatch --num-prompts 512
     bench f32-auto-128 --dtype float32 --engines contbatch,static
-    grep agree "$OUT/bench-f32-auto-128.log"
     exit 0
   fi
   for run in 1 2; do
@@ -63,7 +64,7 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == all ]]; then
   bench "async-on-128" --engines contbatch --async-batching on
   bench "graphs-off-128" --engines contbatch --cuda-graphs off
   python3 - "$OUT/profile.txt" <<'EOF'
-import cProfile, json, pstats, sys, torch
+import cProfile, pstats, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from contbatch import ContinuousBatchingConfig, generate_batch
 from contbatch.data.prompts import chat_inputs, load_prompts
