@@ -110,6 +110,20 @@ class KVCacheManager:
             most_live = max(most_live, len(table) - dead + new)
         return most_live <= self.max_blocks_per_request and self.pool.can_allocate(needed)
 
+    def try_allocate(self, request: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """`allocate_slots` when `can_allocate` (for a request that holds blocks or starts from none); None, with
+        nothing changed, when it does not fit. A request whose tables already cover `num_tokens` and that writes
+        into no shared block (a decode inside its last block: most steps) needs no pool work."""
+        tables = self._tables.get(request.request_id)
+        if tables is not None and -(-num_tokens // self.block_size) <= len(tables[0]):
+            index = request.next_position // self.block_size
+            if all(index >= len(table) or table[index] == DEAD_BLOCK or self.pool.ref_count(table[index]) == 1
+                   for table in tables):
+                return []
+        if not self.can_allocate(request, num_tokens):
+            return None
+        return self.allocate_slots(request, num_tokens)
+
     def allocate_slots(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
         """Grows `request`'s tables to hold `num_tokens` tokens in all, and gives it its own copy of a shared
         block it is about to write into. Returns the `(src, dst)` block copies to do before the next forward.

@@ -108,3 +108,20 @@ def test_manager_cannot_allocate_past_the_pool() -> None:
     manager.allocate_slots(make_request("a"), 4)
     assert manager.can_allocate(make_request("b"), 2)
     assert not manager.can_allocate(make_request("b"), 3)
+
+
+def test_try_allocate_grows_copies_or_refuses_with_exact_blocks() -> None:
+    manager = KVCacheManager(BlockPool(4), block_size=4)
+    parent, child = make_request("p", 6), make_request("c", 6)
+    assert manager.try_allocate(parent, 6) == []
+    assert manager.block_table("p") == [0, 1]
+    parent.num_computed_tokens = 6
+    assert manager.try_allocate(parent, 7) == [] and manager.block_table("p") == [0, 1]  # inside its last block
+    manager.fork(parent, child)
+    child.num_computed_tokens = 6
+    assert manager.try_allocate(child, 7) == [(1, 2)]  # the shared block it writes into is copied first
+    assert manager.block_table("c") == [0, 2] and manager.pool.ref_count(1) == 1
+    assert manager.try_allocate(child, 9) == [] and manager.block_table("c") == [0, 2, 3]
+    assert manager.try_allocate(parent, 9) is None  # no free block left: nothing changes
+    assert manager.block_table("p") == [0, 1] and manager.pool.num_free_blocks == 0
+    manager.check_integrity()
