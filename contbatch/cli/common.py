@@ -34,7 +34,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                         help="while some request is decoding, prompts get at most N of a step's tokens, which "
                         "bounds the delay new prompts add between the tokens of running requests (default: no "
-                        "bound; `contbatch serve` on CPU: 256)")
+                        "bound; `contbatch serve` on CPU: 128)")
     parser.add_argument("--scheduler", choices=SCHEDULER_TYPES, default="fifo")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
