@@ -318,3 +318,24 @@ def test_processed_logprobs_reuse_the_sampling_pass(monkeypatch: pytest.MonkeyPa
               SamplingParams(do_sample=True, top_p=0.5, logprobs=True)]
     Sampler().sample(torch.randn(3, 50, generator=generator(12)), params, [None] * 3)
     assert calls == [2]
+
+
+def test_rows_rank_only_their_candidates_and_mask_as_a_full_sort_does() -> None:
+    """Rows rank only the tokens that can survive: a top-k row its k best, a top-p row without a top-k its
+    NUCLEUS_CANDIDATES best when they hold its nucleus (a peaked row), else its whole vocabulary (a flat row).
+    Every row gets the documented contract's mask, computed over the whole sorted vocabulary, and the same mask
+    alone as in the batch."""
+    vocab = 2 * sampler_module.NUCLEUS_CANDIDATES
+    logits = torch.randn(8, vocab, generator=generator(11)) * torch.tensor([3.0] * 6 + [0.05, 3.0])[:, None]
+    params = [SamplingParams(do_sample=True, top_k=k, top_p=p) for k, p in
+              [(1, 1.0), (7, 1.0), (50, 0.9), (50, 0.5), (120, 0.99), (vocab - 1, 0.95), (0, 0.9), (0, 0.8)]]
+    probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
+    candidates_mass = probs[:, :sampler_module.NUCLEUS_CANDIDATES].sum(dim=-1)
+    assert candidates_mass[6] < 0.9 and candidates_mass[7] > 0.8  # row 6 is sorted whole, row 7 is not
+    masked = sampler_module._mask_top_k_top_p(logits, params)
+    for row, row_params in enumerate(params):
+        expected = processed_reference(logits[row], row_params)
+        assert torch.equal(masked[row].isinf(), expected.isinf()), row
+        assert torch.equal(masked[row][~expected.isinf()], expected[~expected.isinf()])
+        assert torch.equal(masked[row], sampler_module._mask_top_k_top_p(logits[row:row + 1], [row_params])[0])
+    assert [int((~row.isinf()).sum()) for row in masked[:2]] == [1, 7]
