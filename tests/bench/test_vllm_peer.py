@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from contbatch.bench import vllm_peer, vllm_runner
+from contbatch.bench.decoding import Decoding
 from contbatch.bench.throughput import BenchResult
 from contbatch.bench.vllm_peer import (
     agreement_lines,
@@ -75,6 +76,23 @@ def test_sampling_is_greedy_and_stops_at_eos() -> None:
     kwargs = vllm_runner.sampling_kwargs(vllm_runner.parse_request(_request()), 9)
     assert kwargs["temperature"] == 0.0 and kwargs["max_tokens"] == 9
     assert kwargs["stop_token_ids"] == [2, 7] and kwargs["ignore_eos"] is False
+
+
+def test_sampled_requests_carry_their_settings_and_no_seed_of_their_own() -> None:
+    decoding = Decoding(temperature=0.7, top_p=0.9, top_k=50)
+    request = build_request("/m", PROMPTS, 4, [2], "float32", 4, False, decoding=decoding)
+    assert (request["temperature"], request["top_p"], request["top_k"]) == (0.7, 0.9, 50)
+    kwargs = vllm_runner.sampling_kwargs(vllm_runner.parse_request(json.dumps(request)), 9)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.7, 0.9, 50) and "seed" not in kwargs
+    greedy = vllm_runner.sampling_kwargs(vllm_runner.parse_request(_request()), 9)
+    assert greedy["temperature"] == 0.0 and greedy["seed"] == 0 and "top_k" not in greedy
+
+
+@pytest.mark.parametrize("change", [{"temperature": -0.1}, {"temperature": "hot"}, {"top_p": 0}, {"top_p": 1.5},
+                                    {"top_k": -1}, {"top_k": 2.5}, {"top_k": True}])
+def test_parse_request_rejects_bad_sampling(change: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        vllm_runner.parse_request(_request(**change))
 
 
 def test_result_round_trip() -> None:
