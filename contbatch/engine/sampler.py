@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ class SamplerOutput:
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+DRAW_CANDIDATES = 4096
+"""On a CPU, a sampled batch whose rows each keep at most this many tokens (the others at -inf: top-k, top-p, min-p,
+a grammar) draws from those tokens alone (`_kept_tokens`): over a 49k vocabulary, the exponentials of the -inf
+scores (a slow path of the vectorised exp) and their float64 running sum cost more than the model's head."""
+
+
 @dataclass
 class _Processed:
     """The distribution the sampled rows were drawn from.
@@ -38,12 +45,16 @@ class _Processed:
     Attributes:
         rows: the batch rows that sampled, in batch order; row j of `scores` is batch row rows[j].
         scores: [M, vocab] float32 processed scores (see `process_logits`).
-        log_norm: [M, 1] logsumexp of `scores`: scores - log_norm is the log-probability of every token.
     """
 
     rows: list[int]
     scores: torch.Tensor
-    log_norm: torch.Tensor
+
+    @functools.cached_property
+    def log_norm(self) -> torch.Tensor:
+        """[M, 1] logsumexp of `scores`: scores - log_norm is the log-probability of every token (computed for
+        the rows that read processed logprobs; the draw does not need it)."""
+        return self.scores.logsumexp(dim=-1, keepdim=True)
 
 
 class Sampler:
@@ -92,7 +103,7 @@ class Sampler:
             rows = None if whole else torch.tensor(sampled, device=logits.device)
             scores = process_logits(adjusted if rows is None else adjusted.index_select(0, rows),
                                     params if whole else [params[i] for i in sampled])
-            processed = _Processed(sampled, scores, scores.logsumexp(dim=-1, keepdim=True))
+            processed = _Processed(sampled, scores)
             chosen = _draw(processed, generators if whole else [generators[i] for i in sampled])
             if rows is None:
                 token_ids = chosen
@@ -127,15 +138,40 @@ def _mask_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch
 def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Draws one token per row of `processed` from softmax(scores) and returns [M] int64.
 
-    Inverse transform: with u uniform in [0, 1), the row's token is the first whose cumulative probability
-    (float64) exceeds u times the row's total. A token of probability 0 spans an empty interval and is never
-    drawn. One random number per row: drawing noise over the whole vocabulary instead cost ~20% of a CPU decode
-    step."""
-    probs = (processed.scores - processed.log_norm).exp()
+    Inverse transform over the tokens each row keeps, in vocabulary order (`_kept_tokens`): with u uniform in
+    [0, 1), the row's token is the first whose cumulative probability (float64) exceeds u times the row's total;
+    the probabilities are exp(score - the row's largest score), which the total normalises. A token of
+    probability 0 spans an empty interval and is never drawn. One random number per row: drawing noise over the
+    whole vocabulary instead cost ~20% of a CPU decode step."""
+    values, token_ids = _kept_tokens(processed.scores)
+    probs = (values - values.amax(dim=-1, keepdim=True)).exp()
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     target = torch.minimum(_uniforms(generators, probs.device) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    chosen = torch.searchsorted(cdf, target, right=True)
+    return (chosen if token_ids is None else token_ids.gather(1, chosen)).squeeze(1)
+
+
+def _kept_tokens(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens each row of [M, vocab] `scores` keeps (a score above -inf), in vocabulary order: [M, w] their
+    scores (padded with -inf) and [M, w] their ids, w the most any row keeps rounded up to a multiple of 64 (so
+    that no element of an elementwise op over them falls in a scalar tail, whose rounding could differ: a row's
+    draw stays independent of the batch). `(scores, None)` on a GPU, or when some row keeps more than
+    DRAW_CANDIDATES tokens."""
+    if scores.device.type != "cpu":
+        return scores, None
+    kept = scores > float("-inf")
+    counts = kept.sum(dim=-1)
+    width = -(-int(counts.max()) // 64) * 64
+    if width > min(DRAW_CANDIDATES, scores.shape[1]):
+        return scores, None
+    rows, ids = kept.nonzero(as_tuple=True)
+    slots = torch.arange(len(rows)) - (counts.cumsum(0) - counts)[rows]
+    values = scores.new_full((scores.shape[0], width), float("-inf"))
+    values[rows, slots] = scores[rows, ids]
+    token_ids = torch.zeros((scores.shape[0], width), dtype=torch.long)
+    token_ids[rows, slots] = ids
+    return values, token_ids
 
 
 def _logprobs_base(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -339,3 +339,23 @@ def test_rows_rank_only_their_candidates_and_mask_as_a_full_sort_does() -> None:
         assert torch.equal(masked[row][~expected.isinf()], expected[~expected.isinf()])
         assert torch.equal(masked[row], sampler_module._mask_top_k_top_p(logits[row:row + 1], [row_params])[0])
     assert [int((~row.isinf()).sum()) for row in masked[:2]] == [1, 7]
+
+
+def test_draws_read_only_the_kept_tokens_in_vocabulary_order() -> None:
+    scores = torch.full((2, 300), float("-inf"))
+    scores[0, [250, 7, 99]] = torch.tensor([1.0, 2.0, 3.0])
+    scores[1, 5] = 0.5
+    values, token_ids = sampler_module._kept_tokens(scores)
+    assert values.shape == (2, 64) and token_ids is not None
+    assert token_ids[0, :3].tolist() == [7, 99, 250] and values[0, :3].tolist() == [2.0, 3.0, 1.0]
+    assert token_ids[1, 0] == 5 and values[1, 1:].isinf().all() and values[0, 3:].isinf().all()
+    assert sampler_module._kept_tokens(torch.randn(2, 300))[1] is None  # every token kept: the whole vocabulary
+
+
+def test_a_seeded_draw_does_not_depend_on_how_many_tokens_other_rows_keep() -> None:
+    logits = torch.randn(2, 5000, generator=generator(3))
+    mine = SamplingParams(do_sample=True, top_k=3, seed=5)
+    alone = run_steps(logits[:1], [mine], [5], steps=40)[:, 0]
+    for other in (SamplingParams(do_sample=True, top_k=300), SamplingParams(do_sample=True, top_k=3000),
+                  SamplingParams(do_sample=True)):
+        assert torch.equal(run_steps(logits, [mine, other], [5, None], steps=40)[:, 0], alone)
