@@ -63,6 +63,7 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == all ]]; then
   bench "async-off-128" --engines contbatch --async-batching off
   bench "async-on-128" --engines contbatch --async-batching on
   bench "graphs-off-128" --engines contbatch --cuda-graphs off
+  bench "sampled-512" --engines contbatch --num-prompts 512 --temperature 0.7 --top-p 0.9 --top-k 50
   python3 - "$OUT/profile.txt" <<'EOF'
 import cProfile, pstats, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

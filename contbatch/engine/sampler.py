@@ -38,6 +38,10 @@ a grammar) draws from those tokens alone (`_kept_tokens`): over a 49k vocabulary
 scores (a slow path of the vectorised exp) and their float64 running sum cost more than the model's head."""
 
 
+DRAW_BLOCK = 1024
+"""The draw's block of tokens (`_inverse_transform`)."""
+
+
 @dataclass
 class _Processed:
     """The distribution the sampled rows were drawn from.
@@ -145,11 +149,39 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     whole vocabulary instead cost ~20% of a CPU decode step."""
     values, token_ids = _kept_tokens(processed.scores)
     probs = (values - values.amax(dim=-1, keepdim=True)).exp()
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    target = torch.minimum(_uniforms(generators, probs.device) * total, torch.nextafter(total, torch.zeros_like(total)))
-    chosen = torch.searchsorted(cdf, target, right=True)
+    chosen = _inverse_transform(probs, _uniforms(generators, probs.device))
     return (chosen if token_ids is None else token_ids.gather(1, chosen)).squeeze(1)
+
+
+def _inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[M, 1] the index of each row's drawn token: the first whose cumulative probability (float64) exceeds the
+    row's uniform times its total. A row wider than DRAW_BLOCK finds its block first, from the blocks' totals,
+    then its token within that block, so that only one block per row is summed a token at a time (the running
+    sum of a 49k vocabulary in float64 cost more than its exponentials); the blocks are fixed by the width, so a
+    row's draw does not depend on the batch."""
+    width = probs.shape[1]
+    if width <= DRAW_BLOCK:
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        return torch.searchsorted(cdf, _target(uniforms, cdf[:, -1:]), right=True)
+    full = width // DRAW_BLOCK * DRAW_BLOCK
+    sums = [probs[:, :full].view(probs.shape[0], -1, DRAW_BLOCK).sum(dim=-1, dtype=torch.float64)]
+    if full < width:
+        sums.append(probs[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    block_cdf = torch.cat(sums, dim=1).cumsum(dim=-1)
+    target = _target(uniforms, block_cdf[:, -1:])
+    block = torch.searchsorted(block_cdf, target, right=True)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    index = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)
+    within = probs.gather(1, index.clamp(max=width - 1)).masked_fill(index >= width, 0.0)
+    cdf = within.cumsum(dim=-1, dtype=torch.float64)
+    # The block's running sum may round below its total: the last token of positive probability then takes it.
+    local = torch.minimum(target - before, torch.nextafter(cdf[:, -1:], torch.zeros_like(before)))
+    return block * DRAW_BLOCK + torch.searchsorted(cdf, local, right=True)
+
+
+def _target(uniforms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """u times the total, kept below it (u < 1 could round the product up to the total)."""
+    return torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
 
 
 def _kept_tokens(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -359,3 +359,36 @@ def test_a_seeded_draw_does_not_depend_on_how_many_tokens_other_rows_keep() -> N
     for other in (SamplingParams(do_sample=True, top_k=300), SamplingParams(do_sample=True, top_k=3000),
                   SamplingParams(do_sample=True)):
         assert torch.equal(run_steps(logits, [mine, other], [5, None], steps=40)[:, 0], alone)
+
+
+def test_a_wide_vocabulary_draws_in_proportion_across_its_blocks(seeded_global_rng: None) -> None:
+    """Wider than DRAW_BLOCK, a row finds its block from the blocks' totals, then its token: tokens in the first,
+    a middle and the last (partial) block come in proportion, and the negligible rest never."""
+    vocab = 2 * sampler_module.DRAW_BLOCK + 452
+    chosen = [5, sampler_module.DRAW_BLOCK + 476, vocab - 100, vocab - 1]
+    logits = torch.full((vocab,), -40.0)
+    logits[chosen] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    counts = draw_counts(logits, SamplingParams(do_sample=True), draws=8000)
+    assert int(counts.sum() - counts[chosen].sum()) == 0
+    assert chi2_pvalue(counts[chosen], torch.tensor([0.4, 0.3, 0.2, 0.1])) > ALPHA
+    assert chi2_pvalue(counts[chosen], torch.tensor([0.35, 0.3, 0.2, 0.15])) < ALPHA
+
+
+def test_the_block_search_picks_the_token_a_running_sum_picks() -> None:
+    """Against one running sum over the whole row: the same token for uniforms spread over [0, 1), the first
+    token of positive probability at 0 and the last one just below 1, never a token of probability 0."""
+    width = 3 * sampler_module.DRAW_BLOCK + 7
+    probs = torch.rand(4, width, generator=generator(6)) * (torch.rand(4, width, generator=generator(7)) > 0.5)
+    probs[:, :3] = 0.0
+    probs[:, -5:] = 0.0
+    uniforms = torch.rand(4, 200, generator=generator(8), dtype=torch.float64)
+    uniforms[:, 0], uniforms[:, 1] = 0.0, 1.0 - 2**-53
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    for column in range(uniforms.shape[1]):
+        u = uniforms[:, column:column + 1]
+        drawn = sampler_module._inverse_transform(probs, u)
+        assert torch.equal(drawn, torch.searchsorted(cdf, sampler_module._target(u, cdf[:, -1:]), right=True))
+        assert bool((probs.gather(1, drawn) > 0).all())
+    first_positive = (probs > 0).int().argmax(dim=1, keepdim=True)
+    assert torch.equal(sampler_module._inverse_transform(probs, torch.zeros(4, 1, dtype=torch.float64)),
+                       first_positive)
