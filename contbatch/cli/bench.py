@@ -55,13 +55,6 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "dataset: `contbatch generate` on N GSM8K questions single-process and with --ray "
                        "--replicas --replicas (extra `ray`), then the peak memory of --limit prompts over a "
                        "generated --dataset-lines input against a 1,000-line one")
-    bench.add_argument("--temperature", type=float, default=0.0,
-                       help="throughput: every engine samples at this temperature (default 0: greedy, outputs "
-                       "compared across engines; sampled outputs differ by design and are not compared)")
-    bench.add_argument("--top-p", type=float, default=1.0, help="throughput, sampled: the nucleus (1.0: none)")
-    bench.add_argument("--top-k", type=int, default=0,
-                       help="throughput, sampled: the most likely tokens kept (0: no cut; generate's 50 when unset "
-                       "does not apply here)")
     bench.add_argument("--num-beams", type=int, default=4, help="--workload beam: beams per prompt")
     bench.add_argument("--replicas", type=int, default=2, help="--workload dataset: Ray replicas")
     bench.add_argument("--dataset-lines", type=int, default=1_000_000,
@@ -72,6 +65,24 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--samples", type=int, default=8, help="--workload grpo/grpo-trl: samples per prompt")
     bench.add_argument("--grpo-steps", type=int, default=3,
                        help="--workload grpo-trl: optimizer steps per trainer (the first is a warm-up)")
+    _add_sampling_flags(bench)
+    _add_serve_flags(bench)
+    add_engine_flags(bench)
+
+
+def _add_sampling_flags(bench: argparse.ArgumentParser) -> None:
+    """The throughput workload's sampling flags (`Decoding`)."""
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="throughput: every engine samples at this temperature (default 0: greedy, outputs "
+                       "compared across engines; sampled outputs differ by design and are not compared)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="throughput, sampled: the nucleus (1.0: none)")
+    bench.add_argument("--top-k", type=int, default=0,
+                       help="throughput, sampled: the most likely tokens kept (0: no cut; generate's 50 when unset "
+                       "does not apply here)")
+
+
+def _add_serve_flags(bench: argparse.ArgumentParser) -> None:
+    """The flags of `--serve` (`contbatch.bench.serve`)."""
     bench.add_argument("--serve", action="store_true",
                        help="benchmark OpenAI-compatible servers under a Poisson request load instead")
     bench.add_argument("--rate", type=float, default=2.0, help="--serve: mean requests/s (inf: all at once)")
@@ -84,7 +95,6 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="--serve: every request generates --max-new-tokens tokens (vLLM's ignore_eos)")
     bench.add_argument("--port-base", type=int, default=8100, help="--serve: the i-th peer listens on port-base + i")
     bench.add_argument("--seed", type=int, default=0, help="--serve: seed of the arrival schedule")
-    add_engine_flags(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -107,6 +117,16 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_dataset(args)
     if args.workload != "throughput":
         return _bench_workload(args)
+    return _bench_throughput(args)
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    """Run the throughput workload through every engine of `--engines`; print (and with `--output` write) the
+    table with its notes; return 0.
+
+    Raises:
+        ValueError: `--engines` names no engine or an unknown one, or a sampling flag is out of range.
+    """
     from contbatch.bench import throughput, vllm_peer
     from contbatch.bench.decoding import Decoding
     from contbatch.data.embedded import load_model_and_tokenizer

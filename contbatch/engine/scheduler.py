@@ -166,10 +166,8 @@ class Scheduler:
         carried = num_tokens - len(token_ids)
         samplers: tuple[SamplingTarget, ...] = ()
         if end == request.num_tokens + request.num_awaited_tokens and not request.is_score_only:
-            followers = self._followers.get(request.request_id)
-            samplers = (request.sampling_target,)
-            if followers:
-                samplers += tuple(follower.sampling_target for follower in followers)
+            followers = self._followers.get(request.request_id, ())
+            samplers = (request.sampling_target, *[follower.sampling_target for follower in followers])
         output.requests.append(ScheduledRequest(
             request.request_id, token_ids + [0] * carried if carried else token_ids, start,
             self.kv_manager.block_tables(request.request_id), samplers,
@@ -192,19 +190,16 @@ class Scheduler:
             num_tokens = budget.allowance(wanted)
             if num_tokens <= 0:  # a beam waiting for its group to choose its next token, or no chunk budget left
                 continue
-            copies = self._allocate_making_room(request, request.next_position + num_tokens, output, scheduled)
-            if copies is None:
+            if (copies := self._allocate(request, request.next_position + num_tokens, output, scheduled)) is None:
                 continue
             output.block_copies += copies
             self._add_to_batch(output, request, num_tokens)
             scheduled.add(request.request_id)
             budget.spend(wanted, num_tokens)
 
-    def _allocate_making_room(self, request: Request, num_tokens: int, output: SchedulerOutput,
-                              scheduled: set[str]) -> list[tuple[int, int]] | None:
-        """Grows `request` to hold `num_tokens` tokens, preempting the newest unscheduled requests until it fits;
-        returns its block copies (`KVCacheManager.allocate_slots`). None when `request` itself had to be
-        preempted."""
+    def _allocate(self, request: Request, num_tokens: int, output: SchedulerOutput,
+                  scheduled: set[str]) -> list[tuple[int, int]] | None:
+        """Grows `request` to `num_tokens` tokens, preempting newer ones to fit: its block copies (None: preempted)."""
         while (copies := self.kv_manager.try_allocate(request, num_tokens)) is None:
             victim = self._preempt_newest(output, scheduled)
             if victim is None or victim is request:
