@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from contbatch.bench.decoding import GREEDY, Decoding
 from contbatch.bench.serve_peers import (
     HOST,
     PEERS,
@@ -183,17 +184,21 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
     return recorder.finish()
 
 
-def chat_payload(model: str, question: str, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
-    """The benchmark's request body: one user turn, greedy, streamed with a usage chunk; with `ignore_eos`,
-    vLLM's extra field that makes every request generate `max_tokens` tokens (contbatch takes it too)."""
+def chat_payload(model: str, question: str, max_tokens: int, ignore_eos: bool = False,
+                 decoding: Decoding = GREEDY) -> dict[str, Any]:
+    """The benchmark's request body: one user turn, `decoding` (greedy by default; sampled, its top_p and top_k,
+    an extra field both servers take), streamed with a usage chunk; with `ignore_eos`, vLLM's extra field that
+    makes every request generate `max_tokens` tokens (contbatch takes it too)."""
     payload = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+               "temperature": decoding.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if not decoding.is_greedy:
+        payload.update(top_p=decoding.top_p, top_k=decoding.top_k)
     return {**payload, "ignore_eos": True} if ignore_eos else payload
 
 
 async def run_load(base_url: str, model: str, questions: Sequence[str], max_tokens: int,
                    schedule: Sequence[float], max_concurrency: int | None = None,
-                   ignore_eos: bool = False) -> tuple[list[RequestResult], float]:
+                   ignore_eos: bool = False, decoding: Decoding = GREEDY) -> tuple[list[RequestResult], float]:
     """Send one chat request per question at `schedule` offsets, at most `max_concurrency` at once (None: no
     bound); return the results (in question order) and the seconds from the first scheduled arrival to the last
     completion."""
@@ -209,7 +214,8 @@ async def run_load(base_url: str, model: str, questions: Sequence[str], max_toke
         async def one(question: str, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with slots:
-                return await stream_request(client, url, chat_payload(model, question, max_tokens, ignore_eos))
+                return await stream_request(client, url, chat_payload(model, question, max_tokens, ignore_eos,
+                                                                      decoding))
 
         results = await asyncio.gather(*(one(q, o) for q, o in zip(questions, schedule, strict=True)))
         return list(results), time.perf_counter() - start
@@ -254,7 +260,7 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
                 tail = "\n".join("    " + line for line in log_path.read_text(errors="replace").splitlines()[-15:])
                 raise PeerUnavailable(f"{error}; server log tail:\n{tail}") from error
             load = run_load(base_url, spec.model, questions, args.max_new_tokens, schedule, args.max_concurrency,
-                            args.ignore_eos)
+                            args.ignore_eos, run_decoding(args))
             results, duration = asyncio.run(load)
     return RunSummary(name, results, duration)
 
@@ -311,6 +317,11 @@ def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int,
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
+def run_decoding(args: argparse.Namespace) -> Decoding:
+    """The measured load's decoding: `--temperature`, `--top-p`, `--top-k` (greedy without them)."""
+    return Decoding(getattr(args, "temperature", 0.0), getattr(args, "top_p", 1.0), getattr(args, "top_k", 0))
+
+
 def run(args: argparse.Namespace) -> int:
     """The `contbatch bench --serve` command: benchmark each peer in turn, print (and write) the table.
     Returns 0 when at least one peer ran, else 1. Raises ValueError on invalid flags."""
@@ -323,9 +334,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    decoding = run_decoding(args)
     questions = load_prompts(limit=args.num_prompts)
     schedule = poisson_schedule(len(questions), args.rate, args.seed)
-    print(f"workload: {len(questions)} GSM8K questions, max_tokens={args.max_new_tokens}, greedy, "
+    print(f"workload: {len(questions)} GSM8K questions, max_tokens={args.max_new_tokens}, {decoding.describe()}, "
           f"Poisson arrivals at {args.rate:g} req/s (seed {args.seed}); {os.cpu_count()} CPUs", flush=True)
     summaries: list[RunSummary] = []
     skipped: list[tuple[str, str]] = []

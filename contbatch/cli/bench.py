@@ -71,14 +71,14 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(bench: argparse.ArgumentParser) -> None:
-    """The throughput workload's sampling flags (`Decoding`)."""
+    """The sampling flags of the throughput workload and of `--serve` (`Decoding`)."""
     bench.add_argument("--temperature", type=float, default=0.0,
-                       help="throughput: every engine samples at this temperature (default 0: greedy, outputs "
-                       "compared across engines; sampled outputs differ by design and are not compared)")
-    bench.add_argument("--top-p", type=float, default=1.0, help="throughput, sampled: the nucleus (1.0: none)")
+                       help="throughput and --serve: every engine samples at this temperature (default 0: greedy, "
+                       "outputs compared across engines; sampled outputs differ by design and are not compared)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="sampled: the nucleus (1.0: none)")
     bench.add_argument("--top-k", type=int, default=0,
-                       help="throughput, sampled: the most likely tokens kept (0: no cut; generate's 50 when unset "
-                       "does not apply here)")
+                       help="sampled: the most likely tokens kept (0: no cut; generate's 50 when unset does not "
+                       "apply here)")
 
 
 def _add_serve_flags(bench: argparse.ArgumentParser) -> None:

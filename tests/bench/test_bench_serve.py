@@ -200,7 +200,8 @@ def test_vllm_peer_runs_vllms_server_from_the_peers_environment(tmp_path: Path) 
 
 
 def test_load_keeps_at_most_max_concurrency_requests_in_flight() -> None:
-    """A stand-in server counts the requests it holds at once; ignore_eos reaches the request body."""
+    """A stand-in server counts the requests it holds at once; ignore_eos and the sampling flags reach the request
+    body (a greedy body carries temperature 0 alone)."""
     state = {"now": 0, "peak": 0, "bodies": []}
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -219,10 +220,14 @@ def test_load_keeps_at_most_max_concurrency_requests_in_flight() -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(httpx, "AsyncClient", client)
+        decoding = bench_serve.run_decoding(_bench_args("--temperature", "0.7", "--top-p", "0.9", "--top-k", "50"))
         results, _ = asyncio.run(bench_serve.run_load("http://127.0.0.1:9", "m", ["q"] * 8, 4, [0.0] * 8,
-                                                      max_concurrency=3, ignore_eos=True))
+                                                      max_concurrency=3, ignore_eos=True, decoding=decoding))
     assert all(result.ok for result in results) and state["peak"] == 3
     assert all(body["ignore_eos"] is True for body in state["bodies"])
+    assert all((body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 50) for body in state["bodies"])
+    greedy = bench_serve.chat_payload("m", "q", 4, decoding=bench_serve.run_decoding(_bench_args()))
+    assert greedy["temperature"] == 0 and "top_p" not in greedy and "top_k" not in greedy
 
 
 def test_stop_process_kills_a_server_that_ignores_sigterm() -> None:
