@@ -11,6 +11,7 @@ import torch
 from contbatch.engine import sampler as sampler_module
 from contbatch.engine.sampler import Sampler, SamplerOutput
 from contbatch.engine.sampling_params import SamplingParams
+from tests.conftest import TEST_DEVICE
 
 ALPHA = 1e-4  # strict, so a correct sampler essentially never fails; the power checks show it still rejects
 DRAWS = 20_000
@@ -392,3 +393,27 @@ def test_the_block_search_picks_the_token_a_running_sum_picks() -> None:
     first_positive = (probs > 0).int().argmax(dim=1, keepdim=True)
     assert torch.equal(sampler_module._inverse_transform(probs, torch.zeros(4, 1, dtype=torch.float64)),
                        first_positive)
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({}, [0.4, 0.3, 0.2, 0.1]),
+    ({"top_k": 3}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0.0]),
+    ({"top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0.0, 0.0]),
+])
+def test_the_test_device_draws_the_documented_distributions(seeded_global_rng: None, settings: dict[str, float],
+                                                            expected: list[float]) -> None:
+    """On the test device (a GPU with CONTBATCH_TEST_DEVICE=cuda: there top-p sorts the whole vocabulary and the
+    draw runs over it, blocks first), plain, top-k and top-p rows over a vocabulary of several blocks draw in
+    their documented proportions, never outside the tokens they keep."""
+    vocab = 2 * sampler_module.DRAW_BLOCK + 452
+    chosen = [5, sampler_module.DRAW_BLOCK + 476, vocab - 100, vocab - 1]
+    logits = torch.full((vocab,), -40.0)
+    logits[chosen] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    draws = 6000
+    batch = logits.to(TEST_DEVICE).expand(draws, -1).contiguous()
+    params = [SamplingParams(do_sample=True, **settings)] * draws  # type: ignore[arg-type]
+    tokens = Sampler().sample(batch, params, [None] * draws).token_ids
+    counts = torch.bincount(tokens, minlength=vocab)
+    probs = torch.tensor(expected)
+    assert int(counts.sum() - counts[chosen].sum()) == 0 and int(counts[chosen][probs == 0].sum()) == 0
+    assert chi2_pvalue(counts[chosen], probs) > ALPHA
