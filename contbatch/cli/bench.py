@@ -103,6 +103,10 @@ def _bench(args: argparse.Namespace) -> int:
     Raises:
         ValueError: `--engines` names no engine or an unknown one.
     """
+    sampled = (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0)
+    if sampled and not args.serve and args.workload != "throughput":
+        raise ValueError(f"--temperature, --top-p and --top-k apply to the throughput workload and --serve; "
+                         f"--workload {args.workload} decodes as its own table says")
     if args.serve:
         from contbatch.bench import serve as bench_serve
 

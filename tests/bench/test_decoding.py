@@ -47,3 +47,8 @@ def test_every_in_process_engine_samples_with_the_decoding() -> None:
 def test_bench_refuses_a_bad_setting_before_loading_anything(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--engines", "contbatch", "--top-p", "2"]) == 2
     assert "top_p must be in (0, 1], got 2.0" in capsys.readouterr().err
+
+
+def test_the_sampling_flags_are_refused_where_they_would_be_ignored(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--workload", "beam", "--temperature", "0.7"]) == 2
+    assert "apply to the throughput workload and --serve" in capsys.readouterr().err
