@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,3 +59,12 @@ class Decoding:
 
 
 GREEDY = Decoding()
+
+
+def decoding_of(args: argparse.Namespace) -> Decoding:
+    """The decoding `contbatch bench`'s `--temperature`, `--top-p` and `--top-k` ask for (greedy without them).
+
+    Raises:
+        ValueError: a flag out of range (see `Decoding`).
+    """
+    return Decoding(args.temperature, args.top_p, args.top_k)

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from contbatch.bench.decoding import GREEDY, Decoding
+from contbatch.bench.decoding import GREEDY, Decoding, decoding_of
 from contbatch.bench.serve_peers import (
     HOST,
     PEERS,
@@ -260,7 +260,7 @@ def bench_peer(name: str, args: argparse.Namespace, port: int, questions: Sequen
                 tail = "\n".join("    " + line for line in log_path.read_text(errors="replace").splitlines()[-15:])
                 raise PeerUnavailable(f"{error}; server log tail:\n{tail}") from error
             load = run_load(base_url, spec.model, questions, args.max_new_tokens, schedule, args.max_concurrency,
-                            args.ignore_eos, run_decoding(args))
+                            args.ignore_eos, decoding_of(args))
             results, duration = asyncio.run(load)
     return RunSummary(name, results, duration)
 
@@ -317,11 +317,6 @@ def format_table(summaries: Sequence[RunSummary], rate: float, num_prompts: int,
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def run_decoding(args: argparse.Namespace) -> Decoding:
-    """The measured load's decoding: `--temperature`, `--top-p`, `--top-k` (greedy without them)."""
-    return Decoding(getattr(args, "temperature", 0.0), getattr(args, "top_p", 1.0), getattr(args, "top_k", 0))
-
-
 def run(args: argparse.Namespace) -> int:
     """The `contbatch bench --serve` command: benchmark each peer in turn, print (and write) the table.
     Returns 0 when at least one peer ran, else 1. Raises ValueError on invalid flags."""
@@ -334,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    decoding = run_decoding(args)
+    decoding = decoding_of(args)
     questions = load_prompts(limit=args.num_prompts)
     schedule = poisson_schedule(len(questions), args.rate, args.seed)
     print(f"workload: {len(questions)} GSM8K questions, max_tokens={args.max_new_tokens}, {decoding.describe()}, "

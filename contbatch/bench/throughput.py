@@ -1,8 +1,7 @@
 """Peer engines and the result table of the throughput benchmark.
 
 Every runner takes the same workload (token-id prompts, `max_new_tokens` each, greedy or sampled alike: `Decoding`),
-does a short
-untimed warm-up, then times the whole workload with `time.perf_counter()` and returns a `BenchResult`. With
+does a short untimed warm-up, then times the whole workload with `time.perf_counter()` and returns a `BenchResult`. With
 `warm_pass`, contbatch's warm-up is the whole workload instead, on the engine the timed pass reuses (its prefix cache
 emptied between): the timed pass then measures a warm engine, as a long job or a server runs most of the time.
 """

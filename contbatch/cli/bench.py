@@ -103,8 +103,9 @@ def _bench(args: argparse.Namespace) -> int:
     Raises:
         ValueError: `--engines` names no engine or an unknown one.
     """
-    sampled = (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0)
-    if sampled and not args.serve and args.workload != "throughput":
+    from contbatch.bench.decoding import GREEDY, decoding_of
+
+    if decoding_of(args) != GREEDY and not args.serve and args.workload != "throughput":
         raise ValueError(f"--temperature, --top-p and --top-k apply to the throughput workload and --serve; "
                          f"--workload {args.workload} decodes as its own table says")
     if args.serve:
@@ -132,7 +133,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         ValueError: `--engines` names no engine or an unknown one, or a sampling flag is out of range.
     """
     from contbatch.bench import throughput, vllm_peer
-    from contbatch.bench.decoding import Decoding
+    from contbatch.bench.decoding import decoding_of
     from contbatch.data.embedded import load_model_and_tokenizer
     from contbatch.data.prompts import chat_inputs, load_prompts
 
@@ -141,7 +142,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     if unknown or not engines:
         raise ValueError(f"--engines: unknown engine(s) {sorted(unknown)}; choose among "
                          "contbatch,contbatch-compiled,vllm,transformers,static")
-    decoding = Decoding(args.temperature, args.top_p, args.top_k)
+    decoding = decoding_of(args)
     model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id

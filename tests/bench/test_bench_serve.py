@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from contbatch.bench import serve as bench_serve
+from contbatch.bench.decoding import decoding_of
 from contbatch.bench.serve import (
     PeerUnavailable,
     RequestResult,
@@ -220,13 +221,13 @@ def test_load_keeps_at_most_max_concurrency_requests_in_flight() -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(httpx, "AsyncClient", client)
-        decoding = bench_serve.run_decoding(_bench_args("--temperature", "0.7", "--top-p", "0.9", "--top-k", "50"))
+        decoding = decoding_of(_bench_args("--temperature", "0.7", "--top-p", "0.9", "--top-k", "50"))
         results, _ = asyncio.run(bench_serve.run_load("http://127.0.0.1:9", "m", ["q"] * 8, 4, [0.0] * 8,
                                                       max_concurrency=3, ignore_eos=True, decoding=decoding))
     assert all(result.ok for result in results) and state["peak"] == 3
     assert all(body["ignore_eos"] is True for body in state["bodies"])
     assert all((body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 50) for body in state["bodies"])
-    greedy = bench_serve.chat_payload("m", "q", 4, decoding=bench_serve.run_decoding(_bench_args()))
+    greedy = bench_serve.chat_payload("m", "q", 4, decoding=decoding_of(_bench_args()))
     assert greedy["temperature"] == 0 and "top_p" not in greedy and "top_k" not in greedy
 
 
