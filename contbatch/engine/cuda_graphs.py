@@ -161,6 +161,9 @@ class GraphBackend(Protocol):
 
     def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]: ...
 
+    def new_pool(self) -> None:
+        """Later captures use a memory pool of their own: called once every earlier graph is dropped."""
+
 
 class EagerReplay:
     """The CPU stand-in: a "replay" runs the forward again over the same static buffers."""
@@ -168,11 +171,20 @@ class EagerReplay:
     def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         return run
 
+    def new_pool(self) -> None:
+        pass
+
 
 class CudaGraphBackend:
     """CUDA graphs sharing one memory pool (graphs replay one at a time, so they can share it)."""
 
     def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def new_pool(self) -> None:
+        """Once its graphs are gone, a pool is only freeable: capturing into it again while a tensor of it is
+        still alive (the logits of a step in flight) trips the caching allocator's `use_count > 0` assertion
+        and leaves its accounting broken, so later tensors can share memory that is still in use."""
         self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -245,5 +257,8 @@ class DecodeGraphs:
         return entry
 
     def clear(self) -> None:
-        """Drops every graph (their memory goes back to the pool)."""
-        self.graphs.clear()
+        """Drops every graph (their memory goes back to the allocator once nothing of theirs is alive); later
+        captures use a new pool."""
+        if self.graphs:
+            self.graphs.clear()
+            self.backend.new_pool()

@@ -4,6 +4,7 @@ re-runs the forward over the static buffers), real CUDA graphs where a GPU is pr
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -37,8 +38,23 @@ MAX_NEW = [14, 9, 12, 3, 10, 6, 13, 8, 11, 5, 7]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def with_eager_graphs(engine: LLMEngine, settings: GraphSettings) -> DecodeGraphs:
-    graphs = DecodeGraphs(engine.cache, settings, EagerReplay())
+class PoolRecordingReplay(EagerReplay):
+    """`EagerReplay` that numbers its pools and records the pool of every capture."""
+
+    def __init__(self) -> None:
+        self.pool = 0
+        self.captured_in: list[int] = []
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        self.captured_in.append(self.pool)
+        return run
+
+    def new_pool(self) -> None:
+        self.pool += 1
+
+
+def with_eager_graphs(engine: LLMEngine, settings: GraphSettings, backend: EagerReplay | None = None) -> DecodeGraphs:
+    graphs = DecodeGraphs(engine.cache, settings, backend or EagerReplay())
     engine.model_runner.graphs = graphs
     return graphs
 
@@ -124,11 +140,13 @@ def test_every_decoding_feature_is_unchanged_by_padded_graphs() -> None:
 
 def test_graphs_are_dropped_when_the_cache_storage_or_a_parameter_storage_changes() -> None:
     """In-place weight updates keep the graphs (they read the same memory); a replaced parameter or a new cache
-    storage drops them."""
+    storage drops them, and the graphs captured after that go into a new pool (a CUDA pool whose graphs are all
+    gone must not be captured into again)."""
     model = fresh_tiny_model("llama")
     prompts = random_prompts([4, 6], seed=5)
+    backend = PoolRecordingReplay()
     with make_engine(model, block_size=4, num_blocks=50) as engine:
-        graphs = with_eager_graphs(engine, GraphSettings(4, 8, 8))
+        graphs = with_eager_graphs(engine, GraphSettings(4, 8, 8), backend)
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, f"a{index}", max_new_tokens=3)
         run_engine(engine)
@@ -143,6 +161,10 @@ def test_graphs_are_dropped_when_the_cache_storage_or_a_parameter_storage_change
         assert graphs.graphs
         engine.sleep()
         assert not graphs.graphs
+        engine.add_request(prompts[1], "c", max_new_tokens=3)
+        run_engine(engine)
+    assert backend.captured_in == sorted(backend.captured_in)
+    assert set(backend.captured_in) == {0, 1, 2}, "the pools before and after a new parameter, after sleep"
 
 
 def test_settings_follow_the_config_and_the_device() -> None:
@@ -178,6 +200,29 @@ def test_cuda_graphs_match_generate_on_gpu(name: str) -> None:
     for index, (prompt, max_new) in enumerate(zip(prompts, MAX_NEW, strict=True)):
         expected = reference_generate(model, [*prompt], max_new)
         assert finished[f"r{index}"].generated_tokens == expected, f"r{index}"
+
+
+@CUDA
+def test_graphs_captured_again_after_sleep_and_a_new_parameter_match_generate_on_gpu() -> None:
+    """Real graphs with async batching (a CUDA model's defaults): after `sleep()`/`wake()` and after a replaced
+    parameter, the graphs captured again go into a new pool while the last step's logits may still be alive
+    (capturing into the emptied pool tripped the allocator's `use_count > 0` assertion and broke later runs)."""
+    model = fresh_tiny_model("llama").cuda()
+    prompts = random_prompts([9, 17], seed=8)
+    with make_engine(model, block_size=4, num_blocks=100) as engine:
+        assert engine.model_runner.graphs is not None and engine.async_batching
+        for round_ in range(3):
+            if round_ == 1:
+                engine.sleep()
+                engine.wake()
+            if round_ == 2:
+                model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+                engine.check_weights()
+            for index, prompt in enumerate(prompts):
+                engine.add_request(prompt, f"{round_}-{index}", max_new_tokens=6)
+            finished = run_engine(engine)
+            for index, prompt in enumerate(prompts):
+                assert finished[f"{round_}-{index}"].generated_tokens == reference_generate(model, prompt, 6)
 
 
 @CUDA
