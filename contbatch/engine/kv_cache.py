@@ -188,9 +188,13 @@ class PagedKVCache:
         """Makes the storage (`shape`, the spec's dtype, `device`) and the per-layer views; does nothing when
         allocated. The content is undefined: blocks must be written before they are read, which the block tables
         guarantee for an empty prefix cache. The storage is `torch.empty`, so pages are only touched when written
-        and a large cache costs what it holds."""
+        and a large cache costs what it holds. On CUDA the caching allocator's free segments are given back
+        first, so that the storage is not carved from a cached segment that later tensors would share: such a
+        segment never goes back to the driver, and `release()` could not give the cache's memory back."""
         if self.is_allocated:
             return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         storage = torch.empty(self.shape, dtype=self.spec.dtype, device=self.device)
         keys = [storage[0, 0]] * self.spec.num_layers
         values = [storage[0, 1]] * self.spec.num_layers

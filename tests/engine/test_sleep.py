@@ -93,9 +93,10 @@ def test_outputs_are_unchanged_after_sleep_and_nothing_cached_before_is_reused(h
 
 
 def test_sleep_refuses_while_requests_are_unfinished_and_they_complete() -> None:
+    """Synchronous steps, so that the first step returns the running request's first token."""
     model = tiny_model("llama")
     running, waiting = random_prompts([12, 9], seed=72)
-    with make_engine(model, block_size=8, num_blocks=64) as engine:
+    with make_engine(model, block_size=8, num_blocks=64, use_async_batching=False) as engine:
         engine.add_request(running, "running", max_new_tokens=6)
         (first,) = engine.step()
         engine.add_request(waiting, "waiting", max_new_tokens=4)
@@ -112,9 +113,14 @@ def test_sleep_refuses_while_requests_are_unfinished_and_they_complete() -> None
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sleep_gives_gpu_memory_back_to_the_driver() -> None:
+    """Even when the caching allocator holds a free segment larger than the cache (the cache, carved from it,
+    would share it with the tensors allocated later, and the segment could never go back)."""
     model = copy.deepcopy(tiny_model("llama")).cuda()
     prompt = random_prompts([20], seed=73)[0]
+    segment = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    del segment
     with make_engine(model, **LARGE_CACHE) as engine:
+        live = torch.empty(2**24, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         free_awake, _ = torch.cuda.mem_get_info()
         engine.sleep()
@@ -124,6 +130,7 @@ def test_sleep_gives_gpu_memory_back_to_the_driver() -> None:
         assert run_engine(engine)["after"].finish_reason == "length"
         free_woken, _ = torch.cuda.mem_get_info()
         assert free_asleep - free_woken >= 0.9 * engine.cache.nbytes
+    assert live.numel() == 2**24
 
 
 def test_trim_host_heap_gives_back_what_another_thread_freed() -> None:
