@@ -144,7 +144,7 @@ def test_prefill_groups_go_through_the_cpu_kernel(monkeypatch: Any) -> None:
         return kernel(*args)
 
     monkeypatch.setattr(attention, "paged_decode_kernel", lambda: counted)
-    model = tiny_model("llama")
+    model = tiny_model("llama", "cpu")
     prompts = random_prompts([3, 40, 37, 9, 64, 2, 18], seed=11)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None)
     outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8, max_batch_tokens=96),

@@ -93,9 +93,11 @@ def test_generate_batch_rejects_unknown_keyword() -> None:
 
 
 def test_a_failing_forward_fails_its_batch_and_the_engine_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synchronous steps, so that the failing step returns its own requests (test_async_batching fails a forward
+    with async batching on)."""
     model = tiny_model("llama")
     prompts = random_prompts([4, 6, 8], seed=12)
-    with make_engine(model, block_size=4, num_blocks=32) as engine:
+    with make_engine(model, block_size=4, num_blocks=32, use_async_batching=False) as engine:
         engine.add_request(prompts[0], request_id="a", max_new_tokens=4)
         engine.add_request(prompts[1], request_id="b", max_new_tokens=4)
         real_execute = engine.model_runner.execute
