@@ -2,12 +2,14 @@
 # One lent-GPU session's checks in one command (docs/gpu.md): the engine's suite on the GPU, then same-run
 # benchmarks on a random-weight model of SmolLM2-135M's shape.
 #
-# Usage: examples/gpu_session.sh WHEELS_DIR CONFIG_DIR OUT_DIR [tests|bench|confirm|all]
+# Usage: examples/gpu_session.sh WHEELS_DIR CONFIG_DIR OUT_DIR [tests|bench|confirm|owed|all]
 #   WHEELS_DIR: wheels to install over the machine's packages (transformers in pyproject's range);
 #   CONFIG_DIR: config.json and tokenizer files of the model whose shape is benchmarked;
 #   OUT_DIR:    logs: tests.log, bench.log (every benchmark, one after another), profile.txt (a lent machine
 #               returns at most 8 files: one per benchmark would be too many).
 # confirm: the tests, then the default settings once at 512 prompts and float32 outputs against static generate.
+# owed: the engine files not yet run on a GPU (and the bfloat16 and async files), the confirm benchmarks, a sampled
+#       and a synchronous 512-prompt run, then the profile.
 set -uo pipefail
 WHEELS=$1 CONFIG=$2 OUT=$3 WHAT=${4:-all}
 # The parity, graph, async and API suites first; the C++ kernels', compile, fused-module, head-screen and
@@ -22,9 +24,11 @@ REST=(tests/engine/test_attached_model.py tests/engine/test_attention_groups.py 
   tests/engine/test_sampler.py tests/engine/test_scheduler.py tests/engine/test_score_requests.py
   tests/engine/test_sleep.py tests/engine/test_step_outputs.py tests/engine/test_touch_limit.py
   tests/engine/test_weights.py tests/engine/test_block_pool.py)
+[[ $WHAT == owed ]] && GPU_TEST_FILES=${GPU_TEST_FILES:-owed}
 case ${GPU_TEST_FILES:-} in
   "") ;;
   rest) TEST_FILES=("${REST[@]}") ;;
+  owed) TEST_FILES=("${REST[@]}" tests/engine/test_bfloat16.py tests/engine/test_async_batching.py) ;;
   *) read -r -a TEST_FILES <<<"$GPU_TEST_FILES" ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -35,7 +39,7 @@ lscpu | grep -E "^Model name|^CPU\(s\)"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'triton', triton.__version__)"
 
-if [[ $WHAT == tests || $WHAT == confirm || $WHAT == all ]]; then
+if [[ $WHAT == tests || $WHAT == confirm || $WHAT == owed || $WHAT == all ]]; then
   # One process: engines size their cache from the GPU's free memory, which parallel workers would share.
   # SIGINT at the limit still prints pytest's summary of what ran.
   CONTBATCH_TEST_DEVICE=cuda timeout -s INT "${TEST_SECONDS:-150}" python3 -m pytest -q -rfE --timeout 30 \
@@ -44,7 +48,7 @@ if [[ $WHAT == tests || $WHAT == confirm || $WHAT == all ]]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20
 fi
 
-if [[ $WHAT == bench || $WHAT == confirm || $WHAT == all ]]; then
+if [[ $WHAT == bench || $WHAT == confirm || $WHAT == owed || $WHAT == all ]]; then
   python3 examples/random_weights_model.py "$CONFIG" /tmp/rw >/dev/null || exit 1
   bench() {  # name, then flags
     local name=$1; shift
@@ -52,11 +56,14 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == all ]]; then
     echo "$name rc=$?"; grep -E "^\| (contbatch|static|transformers)|agree" /tmp/bench-run.log
     { echo "=== $name: $*"; cat /tmp/bench-run.log; } >>"$OUT/bench.log"
   }
-  if [[ $WHAT == confirm ]]; then  # the defaults (auto), and float32 outputs against static generate
+  if [[ $WHAT == confirm || $WHAT == owed ]]; then  # the defaults (auto), float32 outputs against static generate
     bench auto-512 --engines contbatch --num-prompts 512
     bench f32-auto-128 --dtype float32 --engines contbatch,static
-    exit 0
-  fi
+    [[ $WHAT == confirm ]] && exit 0
+    bench "sampled-512" --engines contbatch --num-prompts 512 --temperature 0.7 --top-p 0.9 --top-k 50
+    bench "sampled-topk-512" --engines contbatch --num-prompts 512 --temperature 0.7 --top-k 50
+    bench "async-off-512" --engines contbatch --num-prompts 512 --async-batching off
+  else
   for run in 1 2; do
     for a in off on; do bench "async-$a-512-$run" --engines contbatch --num-prompts 512 --async-batching $a; done
   done
@@ -64,6 +71,7 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == all ]]; then
   bench "async-on-128" --engines contbatch --async-batching on
   bench "graphs-off-128" --engines contbatch --cuda-graphs off
   bench "sampled-512" --engines contbatch --num-prompts 512 --temperature 0.7 --top-p 0.9 --top-k 50
+  fi
   python3 - "$OUT/profile.txt" <<'EOF'
 import cProfile, pstats, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
