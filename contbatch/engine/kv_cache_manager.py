@@ -117,8 +117,10 @@ class KVCacheManager:
         tables = self._tables.get(request.request_id)
         if tables is not None and -(-num_tokens // self.block_size) <= len(tables[0]):
             index = request.next_position // self.block_size
-            if all(index >= len(table) or table[index] == DEAD_BLOCK or self.pool.ref_count(table[index]) == 1
-                   for table in tables):
+            for table in tables:
+                if index < len(table) and table[index] != DEAD_BLOCK and self.pool.ref_count(table[index]) != 1:
+                    break
+            else:
                 return []
         if not self.can_allocate(request, num_tokens):
             return None
@@ -216,11 +218,13 @@ class KVCacheManager:
         """Registers the blocks `request` has filled and computed since the last call, in every group."""
         if not self.enable_caching:
             return
+        start = self._num_registered.get(request.request_id, 0)
+        if request.num_computed_tokens // self.block_size <= start:
+            return
         tables = self._tables.get(request.request_id)
         if not tables:
             return
         full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
-        start = self._num_registered.get(request.request_id, 0)
         if full <= start:
             return
         for index, block_hash in enumerate(self._hashes(request, full)[start:], start):
@@ -234,8 +238,10 @@ class KVCacheManager:
     def free_unreachable(self, request: Request) -> None:
         """Gives back the blocks of `request` that no future query can see (the next query is at position
         `num_computed_tokens`); their entries become DEAD_BLOCK."""
+        if not self.frees_blocks:
+            return
         tables = self._tables.get(request.request_id)
-        if tables is None or not self.frees_blocks:
+        if tables is None:
             return
         num_dead = self._num_dead[request.request_id]
         for group, policy in enumerate(self.policies):

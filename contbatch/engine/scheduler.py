@@ -13,15 +13,9 @@ import time
 from collections import deque
 
 from contbatch.engine.batch import PromptLogprobsTask, SamplingTarget, ScheduledRequest, SchedulerOutput, StepBudget
+from contbatch.engine.deltas import DeltaJournal
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.outputs import (
-    EventType,
-    ModelRunnerOutput,
-    PromptLogprob,
-    RequestDelta,
-    RequestEvent,
-    TopLogprobs,
-)
+from contbatch.engine.outputs import EventType, ModelRunnerOutput, PromptLogprob, RequestDelta
 from contbatch.engine.request import Request, RequestStatus
 
 
@@ -62,8 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.weights_version = 0
         self._followers: dict[str, list[Request]] = {}
-        self._events: dict[str, list[RequestEvent]] = {}
-        self._new_prompt_logprobs: dict[str, list[PromptLogprob | None]] = {}
+        self._journal = DeltaJournal()
 
     @property
     def num_unfinished(self) -> int:
@@ -131,7 +124,7 @@ class Scheduler:
         self._event(request, EventType.QUEUED)
 
     def _event(self, request: Request, kind: EventType) -> None:
-        self._events.setdefault(request.request_id, []).append(RequestEvent(kind, time.time()))
+        self._journal.event(request.request_id, kind)
 
     def _start_forked(self, parent: Request, child: Request) -> None:
         """Runs `child` from `parent`'s computed tokens, sharing its blocks."""
@@ -161,38 +154,45 @@ class Scheduler:
     def _add_to_batch(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
         """Appends `num_tokens` of `request` from its `next_position` to `output`; an awaited token (sampled by
         the step in flight) goes in as a placeholder, `carried`, filled in once that step has sampled it."""
-        start, end = request.next_position, request.next_position + num_tokens
+        start = request.next_position
+        end = start + num_tokens
         token_ids = request.token_ids[start:end]
         carried = num_tokens - len(token_ids)
         samplers: tuple[SamplingTarget, ...] = ()
-        if end == request.num_tokens + request.num_awaited_tokens and not request.is_score_only:
-            followers = self._followers.get(request.request_id, ())
-            samplers = (request.sampling_target, *[follower.sampling_target for follower in followers])
+        if end == len(request.token_ids) + request.num_awaited_tokens and not request.is_score_only:
+            if followers := self._followers.get(request.request_id):
+                samplers = (request.sampling_target, *[follower.sampling_target for follower in followers])
+            else:
+                samplers = (request.sampling_target,)
+            request.num_awaited_tokens += request.tokens_appended_by(samplers)
         output.requests.append(ScheduledRequest(
             request.request_id, token_ids + [0] * carried if carried else token_ids, start,
             self.kv_manager.block_tables(request.request_id), samplers,
-            request.prompt_logprobs_task(end), bool(carried),
+            request.prompt_logprobs_task(end) if request.params.prompt_logprobs is not None else None, carried > 0,
         ))
         request.num_in_flight_tokens += num_tokens
-        request.num_awaited_tokens += request.tokens_appended_by(samplers)
 
     def _schedule_running(self, output: SchedulerOutput, budget: StepBudget) -> None:
         """Schedules the running requests that are not in `output` yet, oldest first, from `budget`."""
         scheduled = {scheduled.request_id for scheduled in output.requests}
+        pending = RequestStatus.PENDING
         for request in list(self.running):
             if budget.tokens <= 0:
                 break
-            if request.status == RequestStatus.PENDING or request.request_id in scheduled:
+            if request.status == pending or request.request_id in scheduled:
                 continue
-            if not request.can_schedule_ahead or (request.request_id in self._followers and request.num_awaited_tokens):
+            if request.num_in_flight_tokens and (not request.can_schedule_ahead or (
+                    request.num_awaited_tokens and request.request_id in self._followers)):
                 continue
-            wanted = request.num_tokens_to_compute + request.num_awaited_tokens - request.next_position
+            start = request.num_computed_tokens + request.num_in_flight_tokens
+            wanted = request.num_tokens_to_compute + request.num_awaited_tokens - start
             num_tokens = budget.allowance(wanted)
             if num_tokens <= 0:  # a beam waiting for its group to choose its next token, or no chunk budget left
                 continue
-            if (copies := self._allocate(request, request.next_position + num_tokens, output, scheduled)) is None:
+            if (copies := self._allocate(request, start + num_tokens, output, scheduled)) is None:
                 continue
-            output.block_copies += copies
+            if copies:
+                output.block_copies += copies
             self._add_to_batch(output, request, num_tokens)
             scheduled.add(request.request_id)
             budget.spend(wanted, num_tokens)
@@ -268,9 +268,11 @@ class Scheduler:
             if request is None:  # ended while its step was in flight (async batching): nothing to record
                 row += sum(target.request_id in self.requests for target in scheduled.samplers)
                 continue
-            request.num_in_flight_tokens -= len(scheduled.token_ids)
-            request.num_awaited_tokens -= request.tokens_appended_by(scheduled.samplers)
-            request.num_computed_tokens += len(scheduled.token_ids)
+            num_tokens = len(scheduled.token_ids)
+            request.num_in_flight_tokens -= num_tokens
+            request.num_computed_tokens += num_tokens
+            if scheduled.samplers:
+                request.num_awaited_tokens -= request.tokens_appended_by(scheduled.samplers)
             if scheduled.prompt_logprobs is not None:
                 self._record_prompt_logprobs(request, scheduled.prompt_logprobs, result)
             if request.is_score_only and request.num_computed_tokens == request.num_tokens_to_compute:
@@ -301,7 +303,7 @@ class Scheduler:
         entries += result.prompt_logprobs.get(request.request_id, ())
         for receiver in (request, *self._followers.get(request.request_id, ())):
             receiver.num_prompt_logprobs += len(entries)
-            self._new_prompt_logprobs.setdefault(receiver.request_id, []).extend(entries)
+            self._journal.add_prompt_logprobs(receiver.request_id, entries)
 
     def _finish_scored(self, request: Request) -> list[Request]:
         """Finishes a score-only request whose prompt is computed, and its followers that are score-only too
@@ -322,31 +324,12 @@ class Scheduler:
 
     def _delta(self, request: Request, now: float, result: ModelRunnerOutput | None = None,
                row: int = 0) -> RequestDelta:
-        """The delta of `request` at `now`: its pending events and, with `result`, the token sampled in `row`."""
-        if request.is_finished:
-            self._event(request, EventType.FINISHED)
-        params = request.params
-        tokens: tuple[int, ...] = ()
-        logprobs: tuple[float, ...] | None = () if params.wants_logprobs else None
-        top: tuple[TopLogprobs, ...] | None = () if params.top_logprobs else None
-        prompt = self._new_prompt_logprobs.pop(request.request_id, [])
-        if result is not None:
-            tokens = (result.sampled_token_ids[row],)
-            if logprobs is not None and result.logprobs is not None:
-                logprobs = (result.logprobs[row],)
-            if top is not None and result.top_logprobs is not None:
-                top = (result.top_logprobs[row][:params.top_logprobs],)
-        return RequestDelta(
-            request.request_id, request.status, now, tokens, logprobs, top, request.finish_reason, request.error,
-            request.num_cached_tokens, tuple(self._events.pop(request.request_id, ())), self.weights_version,
-            tuple(prompt) if params.prompt_logprobs is not None else None,
-        )
+        return self._journal.delta(request, now, self.weights_version, result, row)
 
     def _event_deltas(self, now: float) -> list[RequestDelta]:
         """Deltas of the requests with events or prompt logprobs but no new token (admitted, preempted, forked,
         finished, or a prompt chunk computed)."""
-        pending = dict.fromkeys([*self._events, *self._new_prompt_logprobs])
-        return [self._delta(self.requests[request_id], now) for request_id in pending
+        return [self._delta(self.requests[request_id], now) for request_id in self._journal.pending()
                 if request_id in self.requests]
 
     def finish_requests(self, requests: list[Request], status: RequestStatus, reason: str,
@@ -370,7 +353,8 @@ class Scheduler:
         return delta
 
     def _drop_finished(self) -> None:
-        finished = [request for request in self.requests.values() if request.is_finished]
+        done = RequestStatus.FINISHED
+        finished = [request for request in self.requests.values() if request.status >= done]
         if not finished:
             return
         for leader_id, group in list(self._followers.items()):
@@ -379,8 +363,7 @@ class Scheduler:
                 del self._followers[leader_id]
         for request in finished:
             del self.requests[request.request_id]
-            self._events.pop(request.request_id, None)
-            self._new_prompt_logprobs.pop(request.request_id, None)
+            self._journal.forget(request.request_id)
             self.kv_manager.free(request.request_id)
             self._promote_follower(request.request_id)
         self.running = [request for request in self.running if not request.is_finished]
