@@ -49,10 +49,13 @@ class _Processed:
     Attributes:
         rows: the batch rows that sampled, in batch order; row j of `scores` is batch row rows[j].
         scores: [M, vocab] float32 processed scores (see `process_logits`).
+        candidates: [M, w] each row's candidate token ids, ascending, holding every token the row keeps (a
+            score above -inf), when masking ranked them (`_mask_top_k_top_p`); else None.
     """
 
     rows: list[int]
     scores: torch.Tensor
+    candidates: torch.Tensor | None = None
 
     @functools.cached_property
     def log_norm(self) -> torch.Tensor:
@@ -105,9 +108,8 @@ class Sampler:
         processed = None
         if sampled:
             rows = None if whole else torch.tensor(sampled, device=logits.device)
-            scores = process_logits(adjusted if rows is None else adjusted.index_select(0, rows),
-                                    params if whole else [params[i] for i in sampled])
-            processed = _Processed(sampled, scores)
+            processed = _Processed(sampled, *_process(adjusted if rows is None else adjusted.index_select(0, rows),
+                                                      params if whole else [params[i] for i in sampled]))
             chosen = _draw(processed, generators if whole else [generators[i] for i in sampled])
             if rows is None:
                 token_ids = chosen
@@ -122,11 +124,19 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     divided by each row's temperature, then masked to -inf outside its top-k, outside its top-p nucleus
     (`_mask_top_k_top_p`) and below its min-p threshold (`_mask_min_p`): `generate`'s warpers, in its order.
     Every warper belongs here, so that "processed" logprobs see exactly what sampling saw."""
+    return _process(logits, params)[0]
+
+
+def _process(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`process_logits`, and the candidates of `_mask_top_k_top_p` (min-p only removes more tokens)."""
     scores = logits.float()
     temperatures = [p.temperature for p in params]
-    if any(t != 1.0 for t in temperatures):
+    if len(set(temperatures)) == 1:
+        scores = scores if temperatures[0] == 1.0 else scores / temperatures[0]
+    else:
         scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=scores.device)[:, None]
-    return _mask_min_p(_mask_top_k_top_p(scores, params), params)
+    masked, candidates = _mask_top_k_top_p(scores, params)
+    return _mask_min_p(masked, params), candidates
 
 
 def _mask_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -147,7 +157,9 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     the probabilities are exp(score - the row's largest score), which the total normalises. A token of
     probability 0 spans an empty interval and is never drawn. One random number per row: drawing noise over the
     whole vocabulary instead cost ~20% of a CPU decode step."""
-    values, token_ids = _kept_tokens(processed.scores)
+    values, token_ids = _candidate_scores(processed.scores, processed.candidates)
+    if token_ids is None:
+        values, token_ids = _kept_tokens(processed.scores)
     probs = (values - values.amax(dim=-1, keepdim=True)).exp()
     chosen = _inverse_transform(probs, _uniforms(generators, probs.device))
     return (chosen if token_ids is None else token_ids.gather(1, chosen)).squeeze(1)
@@ -158,16 +170,18 @@ def _inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     row's uniform times its total. A row wider than DRAW_BLOCK finds its block first, from the blocks' totals,
     then its token within that block, so that only one block per row is summed a token at a time (the running
     sum of a 49k vocabulary in float64 cost more than its exponentials); the blocks are fixed by the width, so a
-    row's draw does not depend on the batch."""
+    row's draw does not depend on the batch. A block's total is summed in float32 (relative error ~1e-7; a float64
+    sum converts the whole row first, 70 times slower), the running sum over blocks and within the chosen block
+    in float64."""
     width = probs.shape[1]
     if width <= DRAW_BLOCK:
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         return torch.searchsorted(cdf, _target(uniforms, cdf[:, -1:]), right=True)
     full = width // DRAW_BLOCK * DRAW_BLOCK
-    sums = [probs[:, :full].view(probs.shape[0], -1, DRAW_BLOCK).sum(dim=-1, dtype=torch.float64)]
+    sums = [probs[:, :full].view(probs.shape[0], -1, DRAW_BLOCK).sum(dim=-1)]
     if full < width:
-        sums.append(probs[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
-    block_cdf = torch.cat(sums, dim=1).cumsum(dim=-1)
+        sums.append(probs[:, full:].sum(dim=-1, keepdim=True))
+    block_cdf = torch.cat(sums, dim=1).double().cumsum(dim=-1)
     target = _target(uniforms, block_cdf[:, -1:])
     block = torch.searchsorted(block_cdf, target, right=True)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
@@ -184,6 +198,25 @@ def _target(uniforms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
 
 
+def _candidate_scores(scores: torch.Tensor, candidates: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                      torch.Tensor | None]:
+    """[M, w] the scores of each row's `candidates` and [M, w] their ids, w their width rounded up to a multiple
+    of 64 (padding: -inf at token 0), on any device: the same draw as from the kept tokens alone, since a
+    candidate the row does not keep adds an exact 0 to the running sum. `(scores, None)` when there are no
+    candidates or they are wider than DRAW_BLOCK (the draw from the kept tokens then sums differently)."""
+    if candidates is None:
+        return scores, None
+    width = -(-candidates.shape[1] // 64) * 64
+    if width > DRAW_BLOCK:
+        return scores, None
+    values = scores.gather(1, candidates)
+    if width > candidates.shape[1]:
+        pad = (0, width - candidates.shape[1])
+        values = torch.nn.functional.pad(values, pad, value=float("-inf"))
+        candidates = torch.nn.functional.pad(candidates, pad)
+    return values, candidates
+
+
 def _kept_tokens(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens each row of [M, vocab] `scores` keeps (a score above -inf), in vocabulary order: [M, w] their
     scores (padded with -inf) and [M, w] their ids, w the most any row keeps rounded up to a multiple of 64 (so
@@ -193,7 +226,9 @@ def _kept_tokens(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
     if scores.device.type != "cpu":
         return scores, None
     kept = scores > float("-inf")
-    counts = kept.sum(dim=-1)
+    if scores.shape[1] > DRAW_CANDIDATES and bool(kept.all()):
+        return scores, None
+    counts = kept.view(torch.uint8).sum(dim=-1, dtype=torch.int32)  # a bool sum converts to int64 first: 6x slower
     width = -(-int(counts.max()) // 64) * 64
     if width > min(DRAW_CANDIDATES, scores.shape[1]):
         return scores, None
@@ -284,9 +319,11 @@ NUCLEUS_CANDIDATES = 256
 sorts its whole vocabulary only when their mass falls short of top_p (`_mask_nucleus`)."""
 
 
-def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor,
+                                                                                       torch.Tensor | None]:
     """Returns [M, vocab] `scores` with -inf at every token outside each row's top-k, then outside the nucleus
-    of the top-k survivors' renormalised probabilities. Each row keeps at least its most likely token.
+    of the top-k survivors' renormalised probabilities, and the rows' candidates when every row ranked the same
+    number of them (`_Processed.candidates`; else None). Each row keeps at least its most likely token.
 
     Ranking a whole vocabulary is the cost (on a CPU, sorting 32 rows of a 49k vocabulary takes longer than the
     model's decode step), so rows rank only the tokens that can survive: a row with a top-k below the vocabulary
@@ -297,42 +334,45 @@ def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) ->
     kinds = [p.top_k if 0 < p.top_k < vocab else (0 if p.top_p < 1.0 else None) for p in params]
     groups = sorted({kind for kind in kinds if kind is not None})
     if not groups:
-        return scores
+        return scores, None
     if len(groups) == 1 and None not in kinds:
         return _mask_group(scores, params, groups[0])
     masked = scores.clone()
     for kind in groups:
         rows = [i for i, row_kind in enumerate(kinds) if row_kind == kind]
         index = torch.tensor(rows, device=scores.device)
-        masked[index] = _mask_group(scores.index_select(0, index), [params[i] for i in rows], kind)
-    return masked
+        masked[index] = _mask_group(scores.index_select(0, index), [params[i] for i in rows], kind)[0]
+    return masked, None
 
 
-def _mask_group(scores: torch.Tensor, params: Sequence[SamplingParams], top_k: int) -> torch.Tensor:
+def _mask_group(scores: torch.Tensor, params: Sequence[SamplingParams], top_k: int) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor | None]:
     """`_mask_top_k_top_p` of rows that share `top_k` (0: top-p rows without a top-k)."""
     if top_k:
         ranked, order = scores.topk(top_k, dim=-1)
-        return _mask_ranked(scores, ranked, order, _top_ps(params, scores.device), torch.softmax(ranked, dim=-1))
+        masked = _mask_ranked(scores, ranked, order, _top_ps(params, scores.device), torch.softmax(ranked, dim=-1))
+        return masked, order.sort(dim=-1).values
     return _mask_nucleus(scores, params)
 
 
-def _mask_nucleus(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _mask_nucleus(scores: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor,
+                                                                                  torch.Tensor | None]:
     """The top-p mask of rows without a top-k: among each row's NUCLEUS_CANDIDATES best tokens, with their
     probabilities over the whole vocabulary, when those hold at least top_p of the mass (every token ranked
     after them then has top_p or more before it); else over the row's whole vocabulary, stably sorted. On a GPU,
     where a sort is cheap and the check would wait for the device, always the latter."""
     top_ps = _top_ps(params, scores.device)
     if scores.shape[1] <= NUCLEUS_CANDIDATES or scores.device.type != "cpu":
-        return _mask_sorted(scores, top_ps)
+        return _mask_sorted(scores, top_ps), None
     ranked, order = scores.topk(NUCLEUS_CANDIDATES, dim=-1)
     probs = (ranked - scores.logsumexp(dim=-1, keepdim=True)).exp()
     closed = probs.cumsum(dim=-1)[:, -1:] >= top_ps
     masked = _mask_ranked(scores, ranked, order, top_ps, probs)
     if bool(closed.all()):
-        return masked
+        return masked, order.sort(dim=-1).values
     rows = (~closed).squeeze(1).nonzero().squeeze(1)
     masked[rows] = _mask_sorted(scores.index_select(0, rows), top_ps.index_select(0, rows))
-    return masked
+    return masked, None
 
 
 def _mask_sorted(scores: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -310,7 +310,7 @@ def test_processed_logprobs_reuse_the_sampling_pass(monkeypatch: pytest.MonkeyPa
     calls = []
     mask = sampler_module._mask_top_k_top_p
 
-    def counted(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def counted(scores: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
         calls.append(scores.shape[0])
         return mask(scores, params)
 
@@ -333,12 +333,17 @@ def test_rows_rank_only_their_candidates_and_mask_as_a_full_sort_does() -> None:
     probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
     candidates_mass = probs[:, :sampler_module.NUCLEUS_CANDIDATES].sum(dim=-1)
     assert candidates_mass[6] < 0.9 and candidates_mass[7] > 0.8  # row 6 is sorted whole, row 7 is not
-    masked = sampler_module._mask_top_k_top_p(logits, params)
+    masked, candidates = sampler_module._mask_top_k_top_p(logits, params)
+    assert candidates is None, "rows of different widths"
     for row, row_params in enumerate(params):
         expected = processed_reference(logits[row], row_params)
         assert torch.equal(masked[row].isinf(), expected.isinf()), row
         assert torch.equal(masked[row][~expected.isinf()], expected[~expected.isinf()])
-        assert torch.equal(masked[row], sampler_module._mask_top_k_top_p(logits[row:row + 1], [row_params])[0])
+        alone, row_candidates = sampler_module._mask_top_k_top_p(logits[row:row + 1], [row_params])
+        assert torch.equal(masked[row], alone[0])
+        if row_candidates is not None:
+            kept = (~expected.isinf()).nonzero().squeeze(1)
+            assert torch.isin(kept, row_candidates[0]).all() and bool((row_candidates.diff() > 0).all())
     assert [int((~row.isinf()).sum()) for row in masked[:2]] == [1, 7]
 
 
@@ -417,3 +422,19 @@ def test_the_test_device_draws_the_documented_distributions(seeded_global_rng: N
     probs = torch.tensor(expected)
     assert int(counts.sum() - counts[chosen].sum()) == 0 and int(counts[chosen][probs == 0].sum()) == 0
     assert chi2_pvalue(counts[chosen], probs) > ALPHA
+
+
+def test_a_draw_from_ranked_candidates_equals_the_draw_from_the_kept_tokens() -> None:
+    """Top-k rows draw from their ranked candidates (ascending ids, dropped ones at -inf) without scanning the
+    vocabulary for what they keep; a dropped candidate adds an exact 0 to the running sum, so every draw is the
+    draw from the kept tokens alone, uniform for uniform."""
+    logits = torch.randn(16, 3000, generator=generator(21)) * 2
+    for top_k, top_p in ((50, 1.0), (50, 0.8), (7, 0.5), (300, 0.95)):
+        params = [SamplingParams(do_sample=True, temperature=0.7, top_k=top_k, top_p=top_p)] * 16
+        scores, candidates = sampler_module._process(logits, params)
+        assert candidates is not None and candidates.shape == (16, top_k)
+        for seed in range(20):
+            draws = [sampler_module._draw(sampler_module._Processed(list(range(16)), scores, kept),
+                                          [torch.Generator().manual_seed(seed * 16 + row) for row in range(16)])
+                     for kept in (candidates, None)]
+            assert torch.equal(draws[0], draws[1]), (top_k, top_p, seed)
