@@ -11,6 +11,7 @@ import torch
 from contbatch.engine.cpu_kernels import greedy_tokens
 from contbatch.engine.logits_processors import TokenHistory, apply_processors
 from contbatch.engine.sampling_params import SamplingParams
+from contbatch.engine.warpers import mask_min_p, mask_top_k_top_p
 
 
 @dataclass
@@ -50,7 +51,7 @@ class _Processed:
         rows: the batch rows that sampled, in batch order; row j of `scores` is batch row rows[j].
         scores: [M, vocab] float32 processed scores (see `process_logits`).
         candidates: [M, w] each row's candidate token ids, ascending, holding every token the row keeps (a
-            score above -inf), when masking ranked them (`_mask_top_k_top_p`); else None.
+            score above -inf), when masking ranked them (`mask_top_k_top_p`); else None.
     """
 
     rows: list[int]
@@ -122,31 +123,21 @@ class Sampler:
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The scores sampled rows draw from: [M, vocab] float32 `logits` (already through `apply_processors`)
     divided by each row's temperature, then masked to -inf outside its top-k, outside its top-p nucleus
-    (`_mask_top_k_top_p`) and below its min-p threshold (`_mask_min_p`): `generate`'s warpers, in its order.
+    (`mask_top_k_top_p`) and below its min-p threshold (`mask_min_p`): `generate`'s warpers, in its order.
     Every warper belongs here, so that "processed" logprobs see exactly what sampling saw."""
     return _process(logits, params)[0]
 
 
 def _process(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`process_logits`, and the candidates of `_mask_top_k_top_p` (min-p only removes more tokens)."""
+    """`process_logits`, and the candidates of `mask_top_k_top_p` (min-p only removes more tokens)."""
     scores = logits.float()
     temperatures = [p.temperature for p in params]
     if len(set(temperatures)) == 1:
         scores = scores if temperatures[0] == 1.0 else scores / temperatures[0]
     else:
         scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=scores.device)[:, None]
-    masked, candidates = _mask_top_k_top_p(scores, params)
-    return _mask_min_p(masked, params), candidates
-
-
-def _mask_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """`MinPLogitsWarper`: -inf at every token whose probability is below the row's min_p times its most likely
-    token's (which always stays)."""
-    if not any(p.min_p > 0 for p in params):
-        return scores
-    probs = torch.softmax(scores, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)[:, None]
-    return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    masked, candidates = mask_top_k_top_p(scores, params)
+    return mask_min_p(masked, params), candidates
 
 
 def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -312,89 +303,6 @@ def _to_cpu(
     values: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     return values.cpu(), None if top is None else (top[0].cpu(), top[1].cpu())
-
-
-NUCLEUS_CANDIDATES = 256
-"""On a CPU, a top-p row without a top-k first looks for its nucleus among its this many best tokens (`topk`), and
-sorts its whole vocabulary only when their mass falls short of top_p (`_mask_nucleus`)."""
-
-
-def _mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor,
-                                                                                       torch.Tensor | None]:
-    """Returns [M, vocab] `scores` with -inf at every token outside each row's top-k, then outside the nucleus
-    of the top-k survivors' renormalised probabilities, and the rows' candidates when every row ranked the same
-    number of them (`_Processed.candidates`; else None). Each row keeps at least its most likely token.
-
-    Ranking a whole vocabulary is the cost (on a CPU, sorting 32 rows of a 49k vocabulary takes longer than the
-    model's decode step), so rows rank only the tokens that can survive: a row with a top-k below the vocabulary
-    its k best (`topk`, in groups of equal k), a top-p row without one the smallest candidate set that holds its
-    nucleus (`_mask_nucleus`). A row's result depends only on its own scores and parameters, never on the rest
-    of the batch."""
-    vocab = scores.shape[1]
-    kinds = [p.top_k if 0 < p.top_k < vocab else (0 if p.top_p < 1.0 else None) for p in params]
-    groups = sorted({kind for kind in kinds if kind is not None})
-    if not groups:
-        return scores, None
-    if len(groups) == 1 and None not in kinds:
-        return _mask_group(scores, params, groups[0])
-    masked = scores.clone()
-    for kind in groups:
-        rows = [i for i, row_kind in enumerate(kinds) if row_kind == kind]
-        index = torch.tensor(rows, device=scores.device)
-        masked[index] = _mask_group(scores.index_select(0, index), [params[i] for i in rows], kind)[0]
-    return masked, None
-
-
-def _mask_group(scores: torch.Tensor, params: Sequence[SamplingParams], top_k: int) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor | None]:
-    """`_mask_top_k_top_p` of rows that share `top_k` (0: top-p rows without a top-k)."""
-    if top_k:
-        ranked, order = scores.topk(top_k, dim=-1)
-        masked = _mask_ranked(scores, ranked, order, _top_ps(params, scores.device), torch.softmax(ranked, dim=-1))
-        return masked, order.sort(dim=-1).values
-    return _mask_nucleus(scores, params)
-
-
-def _mask_nucleus(scores: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor,
-                                                                                  torch.Tensor | None]:
-    """The top-p mask of rows without a top-k: among each row's NUCLEUS_CANDIDATES best tokens, with their
-    probabilities over the whole vocabulary, when those hold at least top_p of the mass (every token ranked
-    after them then has top_p or more before it); else over the row's whole vocabulary, stably sorted. On a GPU,
-    where a sort is cheap and the check would wait for the device, always the latter."""
-    top_ps = _top_ps(params, scores.device)
-    if scores.shape[1] <= NUCLEUS_CANDIDATES or scores.device.type != "cpu":
-        return _mask_sorted(scores, top_ps), None
-    ranked, order = scores.topk(NUCLEUS_CANDIDATES, dim=-1)
-    probs = (ranked - scores.logsumexp(dim=-1, keepdim=True)).exp()
-    closed = probs.cumsum(dim=-1)[:, -1:] >= top_ps
-    masked = _mask_ranked(scores, ranked, order, top_ps, probs)
-    if bool(closed.all()):
-        return masked, order.sort(dim=-1).values
-    rows = (~closed).squeeze(1).nonzero().squeeze(1)
-    masked[rows] = _mask_sorted(scores.index_select(0, rows), top_ps.index_select(0, rows))
-    return masked, None
-
-
-def _mask_sorted(scores: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """The top-p mask of rows over their whole vocabulary, stably sorted (ties broken by token id)."""
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    return _mask_ranked(scores, ranked, order, top_ps, torch.softmax(ranked, dim=-1))
-
-
-def _top_ps(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
-    """[M, 1] top-p thresholds; rows without top-p get an unreachable one (rounding could push their cumulative
-    mass past 1.0)."""
-    return torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32,
-                        device=device)[:, None]
-
-
-def _mask_ranked(scores: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor, top_ps: torch.Tensor,
-                 probs: torch.Tensor) -> torch.Tensor:
-    """[M, vocab] -inf but at the tokens of `order` (each row's candidates, best first, `ranked` their scores and
-    `probs` their probabilities) that are in the row's nucleus: a token is in it iff the tokens ranked above it
-    have not yet reached top_p (the top token's mass before is exactly 0 and top_p > 0: it is always kept)."""
-    drop = probs.cumsum(dim=-1) - probs >= top_ps
-    return torch.full_like(scores, float("-inf")).scatter_(1, order, ranked.masked_fill(drop, float("-inf")))
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from contbatch.engine import sampler as sampler_module
+from contbatch.engine import warpers
 from contbatch.engine.sampler import Sampler, SamplerOutput
 from contbatch.engine.sampling_params import SamplingParams
 from tests.conftest import TEST_DEVICE
@@ -308,13 +309,13 @@ def test_the_mode_does_not_change_the_tokens() -> None:
 def test_processed_logprobs_reuse_the_sampling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """The scores are processed (and sorted for top-k/top-p) once per step, for sampling and logprobs alike."""
     calls = []
-    mask = sampler_module._mask_top_k_top_p
+    mask = sampler_module.mask_top_k_top_p
 
     def counted(scores: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
         calls.append(scores.shape[0])
         return mask(scores, params)
 
-    monkeypatch.setattr(sampler_module, "_mask_top_k_top_p", counted)
+    monkeypatch.setattr(sampler_module, "mask_top_k_top_p", counted)
     params = [processed(do_sample=True, top_k=4, top_p=0.8, top_logprobs=3), SamplingParams(logprobs=True),
               SamplingParams(do_sample=True, top_p=0.5, logprobs=True)]
     Sampler().sample(torch.randn(3, 50, generator=generator(12)), params, [None] * 3)
@@ -326,20 +327,20 @@ def test_rows_rank_only_their_candidates_and_mask_as_a_full_sort_does() -> None:
     NUCLEUS_CANDIDATES best when they hold its nucleus (a peaked row), else its whole vocabulary (a flat row).
     Every row gets the documented contract's mask, computed over the whole sorted vocabulary, and the same mask
     alone as in the batch."""
-    vocab = 2 * sampler_module.NUCLEUS_CANDIDATES
+    vocab = 2 * warpers.NUCLEUS_CANDIDATES
     logits = torch.randn(8, vocab, generator=generator(11)) * torch.tensor([3.0] * 6 + [0.05, 3.0])[:, None]
     params = [SamplingParams(do_sample=True, top_k=k, top_p=p) for k, p in
               [(1, 1.0), (7, 1.0), (50, 0.9), (50, 0.5), (120, 0.99), (vocab - 1, 0.95), (0, 0.9), (0, 0.8)]]
     probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
-    candidates_mass = probs[:, :sampler_module.NUCLEUS_CANDIDATES].sum(dim=-1)
+    candidates_mass = probs[:, :warpers.NUCLEUS_CANDIDATES].sum(dim=-1)
     assert candidates_mass[6] < 0.9 and candidates_mass[7] > 0.8  # row 6 is sorted whole, row 7 is not
-    masked, candidates = sampler_module._mask_top_k_top_p(logits, params)
+    masked, candidates = warpers.mask_top_k_top_p(logits, params)
     assert candidates is None, "rows of different widths"
     for row, row_params in enumerate(params):
         expected = processed_reference(logits[row], row_params)
         assert torch.equal(masked[row].isinf(), expected.isinf()), row
         assert torch.equal(masked[row][~expected.isinf()], expected[~expected.isinf()])
-        alone, row_candidates = sampler_module._mask_top_k_top_p(logits[row:row + 1], [row_params])
+        alone, row_candidates = warpers.mask_top_k_top_p(logits[row:row + 1], [row_params])
         assert torch.equal(masked[row], alone[0])
         if row_candidates is not None:
             kept = (~expected.isinf()).nonzero().squeeze(1)
