@@ -151,7 +151,7 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     values, token_ids = _candidate_scores(processed.scores, processed.candidates)
     if token_ids is None:
         values, token_ids = _kept_tokens(processed.scores)
-    probs = (values - values.amax(dim=-1, keepdim=True)).exp()
+    probs = (values - values.amax(dim=-1, keepdim=True)).exp_()
     chosen = _inverse_transform(probs, _uniforms(generators, probs.device))
     return (chosen if token_ids is None else token_ids.gather(1, chosen)).squeeze(1)
 
