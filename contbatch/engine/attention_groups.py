@@ -55,11 +55,11 @@ def attention_group(
     query_offsets = torch.minimum(torch.arange(num_queries).unsqueeze(0), (counts - 1).unsqueeze(1))
     layouts = {window: key_layout(starts, counts, window) for window in set(windows)}
     kv_slots = []
+    block_offsets = torch.arange(block_size)
     for group, window in enumerate(windows):
-        key_positions = layouts[window][1]
         table = block_tables[group, members]
-        kv_slots.append((table.gather(1, key_positions // block_size) * block_size
-                         + key_positions % block_size).reshape(-1))
+        table_slots = (table * block_size).unsqueeze(2) + block_offsets
+        kv_slots.append(table_slots.reshape(len(members), -1).gather(1, layouts[window][1]).reshape(-1))
     real_queries = None
     if bool((counts != num_queries).any()):
         real_queries = (torch.arange(num_queries).unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero()
