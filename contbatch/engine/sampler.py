@@ -57,11 +57,14 @@ class _Processed:
     rows: list[int]
     scores: torch.Tensor
     candidates: torch.Tensor | None = None
+    drawn_log_norm: torch.Tensor | None = None
 
     @functools.cached_property
     def log_norm(self) -> torch.Tensor:
         """[M, 1] logsumexp of `scores`: scores - log_norm is the log-probability of every token (computed for
-        the rows that read processed logprobs; the draw does not need it)."""
+        the rows that read processed logprobs, unless the draw summed the whole vocabulary: `drawn_log_norm`)."""
+        if self.drawn_log_norm is not None:
+            return self.drawn_log_norm
         return self.scores.logsumexp(dim=-1, keepdim=True)
 
 
@@ -151,23 +154,26 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     values, token_ids = _candidate_scores(processed.scores, processed.candidates)
     if token_ids is None:
         values, token_ids = _kept_tokens(processed.scores)
-    probs = (values - values.amax(dim=-1, keepdim=True)).exp_()
-    chosen = _inverse_transform(probs, _uniforms(generators, probs.device))
+    shift = values.amax(dim=-1, keepdim=True)
+    probs = (values - shift).exp_()
+    chosen, total = _inverse_transform(probs, _uniforms(generators, probs.device))
+    if token_ids is None:
+        processed.drawn_log_norm = shift + total.log().float()
     return (chosen if token_ids is None else token_ids.gather(1, chosen)).squeeze(1)
 
 
-def _inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """[M, 1] the index of each row's drawn token: the first whose cumulative probability (float64) exceeds the
-    row's uniform times its total. A row wider than DRAW_BLOCK finds its block first, from the blocks' totals,
-    then its token within that block, so that only one block per row is summed a token at a time (the running
-    sum of a 49k vocabulary in float64 cost more than its exponentials); the blocks are fixed by the width, so a
-    row's draw does not depend on the batch. A block's total is summed in float32 (relative error ~1e-7; a float64
-    sum converts the whole row first, 70 times slower), the running sum over blocks and within the chosen block
-    in float64."""
+def _inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, 1] the index of each row's drawn token, the first whose cumulative probability (float64) exceeds the
+    row's uniform times its total, and [M, 1] that total. A row wider than DRAW_BLOCK finds its block first, from
+    the blocks' totals, then its token within that block, so that only one block per row is summed a token at a
+    time (the running sum of a 49k vocabulary in float64 cost more than its exponentials); the blocks are fixed by
+    the width, so a row's draw does not depend on the batch. A block's total is summed in float32 (relative error
+    ~1e-7; a float64 sum converts the whole row first, 70 times slower), the running sums over blocks and within
+    the chosen block in float64."""
     width = probs.shape[1]
     if width <= DRAW_BLOCK:
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        return torch.searchsorted(cdf, _target(uniforms, cdf[:, -1:]), right=True)
+        return torch.searchsorted(cdf, _target(uniforms, cdf[:, -1:]), right=True), cdf[:, -1:]
     full = width // DRAW_BLOCK * DRAW_BLOCK
     sums = [probs[:, :full].view(probs.shape[0], -1, DRAW_BLOCK).sum(dim=-1)]
     if full < width:
@@ -181,7 +187,7 @@ def _inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     cdf = within.cumsum(dim=-1, dtype=torch.float64)
     # The block's running sum may round below its total: the last token of positive probability then takes it.
     local = torch.minimum(target - before, torch.nextafter(cdf[:, -1:], torch.zeros_like(before)))
-    return block * DRAW_BLOCK + torch.searchsorted(cdf, local, right=True)
+    return block * DRAW_BLOCK + torch.searchsorted(cdf, local, right=True), block_cdf[:, -1:]
 
 
 def _target(uniforms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

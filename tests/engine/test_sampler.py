@@ -393,11 +393,12 @@ def test_the_block_search_picks_the_token_a_running_sum_picks() -> None:
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     for column in range(uniforms.shape[1]):
         u = uniforms[:, column:column + 1]
-        drawn = sampler_module._inverse_transform(probs, u)
+        drawn, total = sampler_module._inverse_transform(probs, u)
+        assert torch.allclose(total, cdf[:, -1:], rtol=1e-6)
         assert torch.equal(drawn, torch.searchsorted(cdf, sampler_module._target(u, cdf[:, -1:]), right=True))
         assert bool((probs.gather(1, drawn) > 0).all())
     first_positive = (probs > 0).int().argmax(dim=1, keepdim=True)
-    assert torch.equal(sampler_module._inverse_transform(probs, torch.zeros(4, 1, dtype=torch.float64)),
+    assert torch.equal(sampler_module._inverse_transform(probs, torch.zeros(4, 1, dtype=torch.float64))[0],
                        first_positive)
 
 
@@ -439,3 +440,20 @@ def test_a_draw_from_ranked_candidates_equals_the_draw_from_the_kept_tokens() ->
                                           [torch.Generator().manual_seed(seed * 16 + row) for row in range(16)])
                      for kept in (candidates, None)]
             assert torch.equal(draws[0], draws[1]), (top_k, top_p, seed)
+
+
+@pytest.mark.parametrize("vocab", [300, 3 * 1024 + 50])
+def test_a_draw_over_the_whole_vocabulary_gives_processed_logprobs_their_normaliser(vocab: int) -> None:
+    """A draw over every token (plain sampling) sums the row's probabilities anyway; processed logprobs take
+    their normaliser from that sum instead of a second pass, and equal log_softmax of the processed scores, in
+    a batch with rows that keep few tokens too."""
+    logits = torch.randn(3, vocab, generator=generator(31)) * 4
+    params = [processed(do_sample=True, temperature=0.8, top_logprobs=2), processed(do_sample=True, top_k=5),
+              processed(do_sample=True)]
+    out = Sampler().sample(logits, params, [generator(row) for row in range(3)])
+    assert out.logprobs is not None and out.top_logprobs is not None
+    for row, row_params in enumerate(params):
+        expected = torch.log_softmax(processed_reference(logits[row], row_params), dim=-1)
+        assert torch.allclose(out.logprobs[row], expected[out.token_ids[row]], atol=1e-5), row
+    expected_top = torch.log_softmax(logits[0] / 0.8, dim=-1).topk(2).values
+    assert torch.allclose(out.top_logprobs[0][0], expected_top, atol=1e-5)
