@@ -52,6 +52,7 @@ class _Processed:
         scores: [M, vocab] float32 processed scores (see `process_logits`).
         candidates: [M, w] each row's candidate token ids, ascending, holding every token the row keeps (a
             score above -inf), when masking ranked them (`mask_top_k_top_p`); else None.
+        drawn_log_norm: [M, 1] the rows' logsumexp from a draw over the whole vocabulary (`_draw` sets it).
     """
 
     rows: list[int]
@@ -150,7 +151,8 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     [0, 1), the row's token is the first whose cumulative probability (float64) exceeds u times the row's total;
     the probabilities are exp(score - the row's largest score), which the total normalises. A token of
     probability 0 spans an empty interval and is never drawn. One random number per row: drawing noise over the
-    whole vocabulary instead cost ~20% of a CPU decode step."""
+    whole vocabulary instead cost ~20% of a CPU decode step. A draw over the whole vocabulary also records the
+    rows' logsumexp (the shift plus the log of the total) in `processed.drawn_log_norm`."""
     values, token_ids = _candidate_scores(processed.scores, processed.candidates)
     if token_ids is None:
         values, token_ids = _kept_tokens(processed.scores)
