@@ -181,7 +181,7 @@ class Request:
             self.finish(RequestStatus.FAILED, "error", f"the grammar does not allow token {token_id} here")
         elif token_id in self.params.stop_ids or (self.matcher is not None and self.matcher.is_terminated()):
             self.finish(RequestStatus.FINISHED, "stop")
-        elif len(self.token_ids) - len(self.prompt_ids) >= self.params.max_new_tokens:
+        elif self.num_generated_tokens >= self.params.max_new_tokens:
             self.finish(RequestStatus.FINISHED, "length")
         else:
             self.status = RequestStatus.DECODING

@@ -175,11 +175,10 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: StepBudget) -> None:
         """Schedules the running requests that are not in `output` yet, oldest first, from `budget`."""
         scheduled = {scheduled.request_id for scheduled in output.requests}
-        pending = RequestStatus.PENDING
         for request in list(self.running):
             if budget.tokens <= 0:
                 break
-            if request.status == pending or request.request_id in scheduled:
+            if request.status == RequestStatus.PENDING or request.request_id in scheduled:
                 continue
             if request.num_in_flight_tokens and (not request.can_schedule_ahead or (
                     request.num_awaited_tokens and request.request_id in self._followers)):
@@ -353,8 +352,7 @@ class Scheduler:
         return delta
 
     def _drop_finished(self) -> None:
-        done = RequestStatus.FINISHED
-        finished = [request for request in self.requests.values() if request.status >= done]
+        finished = [request for request in self.requests.values() if request.is_finished]
         if not finished:
             return
         for leader_id, group in list(self._followers.items()):
