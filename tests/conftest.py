@@ -7,6 +7,10 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 
+# Triton (the GPU attention kernel's tests) runs under its interpreter on a CPU; it reads this when first imported.
+if os.environ.get("CONTBATCH_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers import (

@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENTRIES = ["contbatch.cli.serve", "contbatch.entrypoints.openai.app"]
 OTEL_ONLY = {"opentelemetry"}
 OTEL_DISTRIBUTIONS = {"opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
+# Triton comes with torch's CUDA wheels; the GPU attention kernel imports it only where it is installed.
+WITH_TORCH_CUDA = {"triton"}
 
 
 def module_path(name: str) -> Path | None:
@@ -85,7 +87,7 @@ def test_every_module_the_server_imports_is_in_the_serve_extra() -> None:
     modules = third_party_closure(SERVER_ENTRIES)
     assert {"fastapi", "uvicorn", "pydantic", "prometheus_client", "llguidance"} <= modules  # the scan sees them
     allowed = declared("serve")
-    missing = {module: distribution_of(module) for module in modules - OTEL_ONLY
+    missing = {module: distribution_of(module) for module in modules - OTEL_ONLY - WITH_TORCH_CUDA
                if not distribution_of(module) & allowed}
     assert not missing, f"imported by the server but not in `serve` or the core dependencies: {missing}"
 
@@ -95,6 +97,12 @@ def test_opentelemetry_is_imported_only_once_telemetry_is_on_and_comes_from_the_
     eager = third_party_closure([*SERVER_ENTRIES, "contbatch", "contbatch.telemetry"], eager_imports_of)
     assert not eager & OTEL_ONLY, "a module imports OpenTelemetry when it is imported, with telemetry off"
     assert declared("otel") >= OTEL_DISTRIBUTIONS
+
+
+def test_triton_is_imported_only_when_the_gpu_kernel_is_used() -> None:
+    assert third_party_closure(["contbatch.engine.attention"]) >= WITH_TORCH_CUDA  # the scan sees the lazy import
+    eager = third_party_closure([*SERVER_ENTRIES, "contbatch"], eager_imports_of)
+    assert not eager & WITH_TORCH_CUDA, "a module imports Triton when it is imported: a CPU install lacks it"
 
 
 def test_all_installs_every_extra() -> None:

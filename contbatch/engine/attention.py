@@ -36,6 +36,8 @@ from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SUPPORTED_ATTENTION, shared_prefix_attention
+from contbatch.engine.triton_attention import paged_attention as triton_paged_attention
+from contbatch.engine.triton_attention import usable_for as triton_usable_for
 
 ATTENTION_NAME = "contbatch_paged"
 METADATA_KWARG = "contbatch_metadata"
@@ -218,7 +220,7 @@ def _attend_group(
     batch, num_queries, context = group.batch_size, group.num_queries, layout.length
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     q = queries.contiguous() if group.whole_batch else queries.index_select(0, group.query_rows)
-    kernel = _cpu_kernel_for(q, cache)
+    kernel = _kernel_for(q, cache)
     if kernel is not None:
         lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries)
         scale = head_dim**-0.5 if scaling is None else scaling
@@ -237,9 +239,12 @@ def _attend_group(
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
 
 
-def _cpu_kernel_for(q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
-    """The CPU attention kernel (decode and prefill rows) when it applies: on CPU, the query and the cache both
-    float32 or both bfloat16, and the kernel built."""
+def _kernel_for(q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
+    """The kernel that reads keys straight from the cache (decode and prefill rows), when one applies: the Triton
+    kernel where it is asked for and usable (`triton_attention`), else on CPU the C++ kernel, for a query and a
+    cache both float32 or both bfloat16, when built; None: gathered K/V and SDPA."""
+    if cache.spec.dtype == q.dtype and triton_usable_for(q):
+        return triton_paged_attention
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None
     if cache.spec.dtype != q.dtype:

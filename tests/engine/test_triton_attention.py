@@ -1,0 +1,121 @@
+"""The Triton paged attention kernel (`triton_attention`), run by Triton's interpreter on the CPU: the same contract
+and the same float64 reference as the C++ kernel's tests, and greedy parity with `generate` through the engine
+when `CONTBATCH_ATTENTION_KERNEL=triton` selects it. On a GPU (`CONTBATCH_TEST_DEVICE=cuda`) the same tests run
+the compiled kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contbatch.engine import attention, triton_attention
+from tests.conftest import TEST_DEVICE, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.engine.test_decode_kernel import reference
+
+BLOCK = 16
+
+pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")
+
+
+@pytest.fixture(autouse=True)
+def triton_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel asked for (on a CPU, `tests/conftest.py` has Triton interpret)."""
+    monkeypatch.setenv(triton_attention.KERNEL_ENV, "triton")
+
+
+def _cache(kv_heads: int, dim: int, num_blocks: int, dtype: torch.dtype,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=generator) * 2
+    values = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=generator)
+    return keys.to(dtype), values.to(dtype)
+
+
+def _run(*args: object) -> torch.Tensor:
+    moved = [arg.to(TEST_DEVICE) if isinstance(arg, torch.Tensor) else arg for arg in args]
+    return triton_attention.paged_attention(*moved).cpu()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "dim", "softcap"), [
+    (3, 3, 64, 0.0),   # SmolLM2's shape
+    (2, 1, 128, 0.0),  # no grouping; a head wider than the key tile
+    (1, 8, 32, 30.0),  # soft-capped logits (Gemma 2)
+    (2, 2, 12, 0.0),   # head_dim below the product's minimum width, not a power of 2
+    (1, 5, 40, 0.0),   # a group that is not a power of 2
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype) -> None:
+    """Decode rows of several lengths, windows starting past 0, a context over several key tiles: float32
+    within float32 rounding of the float64 result; bfloat16 within one bfloat16 rounding."""
+    generator = torch.Generator().manual_seed(kv_heads * 100 + dim)
+    lengths = torch.tensor([1, 7, 8, 9, 16, 17, 40, 203])
+    width = int(lengths.max())
+    keys, values = _cache(kv_heads, dim, 64, dtype, generator)
+    positions = torch.arange(width)
+    tables = torch.randint(0, 64, (len(lengths), -(-width // BLOCK)), generator=generator)
+    slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
+    first = torch.tensor([0, 0, 3, 0, 9, 1, 0, 150])
+    query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
+    got = _run(query, keys, values, slots, lengths, first, dim**-0.5, softcap, 1)
+    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, softcap)
+    assert got.dtype == dtype and got.shape == query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("group", "window"), [(3, 0), (4, 5)])
+def test_kernel_attends_prefill_rows_causally(group: int, window: int) -> None:
+    """Chunks of query rows per request: row i of a chunk starting at s reads positions up to s + i (from
+    s + i - window + 1 with a window)."""
+    generator = torch.Generator().manual_seed(group + window)
+    kv_heads, dim, chunk = 2, 32, 21
+    starts = torch.tensor([0, 5, 70])
+    width = int(starts.max()) + chunk
+    keys, values = _cache(kv_heads, dim, 40, torch.float32, generator)
+    tables = torch.stack([torch.randperm(40, generator=generator)[: -(-width // BLOCK)] for _ in starts])
+    positions = torch.arange(width)
+    slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
+    lengths = (starts.unsqueeze(1) + torch.arange(chunk) + 1).reshape(-1)
+    first = (lengths - window).clamp(min=0) if window else torch.zeros_like(lengths)
+    query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
+    got = _run(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk)
+    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_slots_for_another_number_of_rows() -> None:
+    keys = torch.zeros(1, 64, 16)
+    with pytest.raises(ValueError, match=r"slots \(2, 8\) for 6 query rows, 4 per request"):
+        triton_attention.paged_attention(torch.zeros(6, 2, 16), keys, keys, torch.zeros(2, 8, dtype=torch.long),
+                                         torch.ones(6, dtype=torch.long), torch.zeros(6, dtype=torch.long),
+                                         0.25, 0.0, 4)
+
+
+def test_attention_selects_the_kernel_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    query = torch.zeros(1, 2, 16, device=TEST_DEVICE)
+    assert triton_attention.usable_for(query)
+    monkeypatch.setenv(triton_attention.KERNEL_ENV, "")
+    assert not triton_attention.usable_for(query)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid", "gemma2-softcap"])
+def test_engine_with_the_kernel_matches_generate(model_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy parity through the engine with every attention call in the kernel (chunked prefill, decode, a
+    sliding window and soft-capped logits), and no call left to the other paths."""
+    calls = []
+    kernel = triton_attention.paged_attention
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "triton_paged_attention", counted)
+    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: pytest.fail("the C++ kernel was called"))
+    model = tiny_model(model_name)
+    prompts, max_new = random_prompts([3, 11, 20], seed=9), [6, 4, 5]
+    with make_engine(model, block_size=4, num_blocks=64, max_batch_tokens=16) as engine:
+        for index, (prompt, count) in enumerate(zip(prompts, max_new, strict=True)):
+            engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=count)
+        finished = run_engine(engine)
+    assert calls
+    for index, (prompt, count) in enumerate(zip(prompts, max_new, strict=True)):
+        assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, count), f"r{index}"
