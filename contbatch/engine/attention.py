@@ -36,8 +36,9 @@ from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SUPPORTED_ATTENTION, shared_prefix_attention
+from contbatch.engine.triton_attention import KERNEL_ENV
 from contbatch.engine.triton_attention import paged_attention as triton_paged_attention
-from contbatch.engine.triton_attention import usable_for as triton_usable_for
+from contbatch.engine.triton_attention import usable_on as triton_usable_on
 
 ATTENTION_NAME = "contbatch_paged"
 METADATA_KWARG = "contbatch_metadata"
@@ -70,15 +71,19 @@ class KeyLayout:
         return self._masks[sliding_window]
 
     def row_ranges(self, query_positions: torch.Tensor, sliding_window: int | None,
-                   real_queries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   real_queries: torch.Tensor | None,
+                   row_requests: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(lengths, first), each [batch * num_queries]: query row r reads the keys [first[r], lengths[r]) of
         this layout (counted from its `first`), the same keys `mask` allows it. A padding row (not in
-        `real_queries`) reads its last key only: its output is dropped. Built once per step for each window."""
+        `real_queries`) reads its last key only: its output is dropped. In a ragged group (`row_requests`,
+        `query_positions` [rows, 1]) row r's keys start at its request's `first`. Built once per step for each
+        window."""
         if sliding_window not in self._ranges:
             lengths = query_positions + 1
             first = (lengths - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lengths)
             if self.first is not None:
-                lengths, first = lengths - self.first.unsqueeze(1), first - self.first.unsqueeze(1)
+                offset = (self.first if row_requests is None else self.first.index_select(0, row_requests))
+                lengths, first = lengths - offset.unsqueeze(1), first - offset.unsqueeze(1)
             lengths, first = lengths.reshape(-1), first.reshape(-1)
             if real_queries is not None:
                 padding = torch.ones_like(lengths, dtype=torch.bool).index_fill_(0, real_queries, False)
@@ -110,6 +115,9 @@ class AttentionGroup:
             padding; the outputs of those go to `query_rows[real_queries]`.
         whole_batch: the group's queries are every row of the packed batch in order, unpadded (`query_rows` is
             0..rows-1): its output is the layer's, with no gather or scatter.
+        row_requests: a ragged group (a varlen step's every token, `query_positions` [rows, 1]): [rows] the
+            request of each query row, whose keys it reads; None: row r is request r // num_queries's. Only
+            the Triton kernel attends a ragged group (`varlen_graphs`).
     """
 
     batch_size: int
@@ -120,6 +128,7 @@ class AttentionGroup:
     kv_slots: list[torch.Tensor]
     real_queries: torch.Tensor | None = None
     whole_batch: bool = False
+    row_requests: torch.Tensor | None = None
 
 
 @dataclass
@@ -221,11 +230,15 @@ def _attend_group(
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     q = queries.contiguous() if group.whole_batch else queries.index_select(0, group.query_rows)
     kernel = _kernel_for(q, cache)
+    ragged = () if group.row_requests is None else (group.row_requests,)
+    if ragged and kernel is not triton_paged_attention:
+        raise RuntimeError(f"a ragged attention group needs the Triton kernel ({KERNEL_ENV}=triton, on a GPU)")
     if kernel is not None:
-        lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries)
+        lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries,
+                                           group.row_requests)
         scale = head_dim**-0.5 if scaling is None else scaling
         return kernel(q, cache.keys[layer], cache.values[layer], kv_slots.view(batch, context), lengths, first,
-                      scale, softcap or 0.0, num_queries)
+                      scale, softcap or 0.0, num_queries, *ragged)
     keys, values = cache.gather(layer, kv_slots, batch, context)
     q = q.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -243,7 +256,7 @@ def _kernel_for(q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
     """The kernel that reads keys straight from the cache (decode and prefill rows), when one applies: the Triton
     kernel where it is asked for and usable (`triton_attention`), else on CPU the C++ kernel, for a query and a
     cache both float32 or both bfloat16, when built; None: gathered K/V and SDPA."""
-    if cache.spec.dtype == q.dtype and triton_usable_for(q):
+    if triton_usable_on(q.device):
         return triton_paged_attention
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None

@@ -54,12 +54,7 @@ def attention_group(
     num_queries = int(counts.max())
     query_offsets = torch.minimum(torch.arange(num_queries).unsqueeze(0), (counts - 1).unsqueeze(1))
     layouts = {window: key_layout(starts, counts, window) for window in set(windows)}
-    kv_slots = []
-    block_offsets = torch.arange(block_size)
-    for group, window in enumerate(windows):
-        table = block_tables[group, members]
-        table_slots = (table * block_size).unsqueeze(2) + block_offsets
-        kv_slots.append(table_slots.reshape(len(members), -1).gather(1, layouts[window][1]).reshape(-1))
+    kv_slots = _key_slots(block_tables[:, members], block_size, windows, layouts)
     real_queries = None
     if bool((counts != num_queries).any()):
         real_queries = (torch.arange(num_queries).unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero()
@@ -73,6 +68,32 @@ def attention_group(
         kv_slots=kv_slots,
         real_queries=real_queries,
     )
+
+
+def ragged_group(counts: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor, request_of_token: torch.Tensor,
+                 block_tables: torch.Tensor, block_size: int, windows: tuple[int | None, ...]) -> AttentionGroup:
+    """Every token of the batch in one ragged group (`AttentionGroup.row_requests`): token t queries at
+    `positions[t]` over the keys of request `request_of_token[t]`, each request's keys laid out as in
+    `attention_group`. One attention shape per step whatever its mix of chunks (the Triton kernel's)."""
+    layouts = {window: key_layout(starts, counts, window) for window in set(windows)}
+    return AttentionGroup(
+        batch_size=len(counts), num_queries=1, query_rows=torch.arange(len(positions)),
+        query_positions=positions.unsqueeze(1), layouts=[layouts[window][0] for window in windows],
+        kv_slots=_key_slots(block_tables, block_size, windows, layouts), whole_batch=True,
+        row_requests=request_of_token,
+    )
+
+
+def _key_slots(block_tables: torch.Tensor, block_size: int, windows: tuple[int | None, ...],
+               layouts: dict[int | None, tuple[KeyLayout, torch.Tensor]]) -> list[torch.Tensor]:
+    """Per cache group, [requests * length] the slots of the key positions of `layouts` (by window) from the
+    requests' `block_tables` [cache groups, requests, blocks]."""
+    block_offsets = torch.arange(block_size)
+    kv_slots = []
+    for group, window in enumerate(windows):
+        table_slots = (block_tables[group] * block_size).unsqueeze(2) + block_offsets
+        kv_slots.append(table_slots.reshape(block_tables.shape[1], -1).gather(1, layouts[window][1]).reshape(-1))
+    return kv_slots
 
 
 def key_layout(starts: torch.Tensor, counts: torch.Tensor, window: int | None) -> tuple[KeyLayout, torch.Tensor]:
@@ -104,4 +125,6 @@ def group_to_device(group: AttentionGroup, device: torch.device) -> AttentionGro
             layout.first = layout.first.to(device, non_blocking=True)
     if group.real_queries is not None:
         group.real_queries = group.real_queries.to(device, non_blocking=True)
+    if group.row_requests is not None:
+        group.row_requests = group.row_requests.to(device, non_blocking=True)
     return group

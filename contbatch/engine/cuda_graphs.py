@@ -1,11 +1,13 @@
-"""Decode steps replayed from captured CUDA graphs, over shapes padded into buckets.
+"""Steps replayed from captured CUDA graphs, over shapes padded into buckets: decode steps here, steps with
+prompt tokens where the Triton kernel attends them in one ragged group (`varlen_graphs`).
 
 A decode step (every request computes one token, every one samples) has two sizes that change from step to step:
 the number of requests B and the longest context L (per layer group of the cache). Both are rounded up to a
 bucket, B to a multiple of `q_padding_interval_size` and L to a multiple of `kv_padding_interval_size`, and the
 step runs in static buffers of the bucket's shape (`StaticDecodeInputs`). The first step of a bucket captures the
 model's forward over those buffers into a graph; later steps of the bucket only copy their inputs into the
-buffers and replay it. At most `max_cached_graphs` graphs are kept, least recently used dropped first.
+buffers and replay it. At most `max_cached_graphs` graphs are kept, least recently used dropped first, decode
+and varlen graphs together (`StepGraphs`).
 
 Padding never changes a real request's result:
   - padding requests compute token 0 at position 0 and write their K/V to the cache's scratch slot (never a
@@ -30,10 +32,12 @@ from transformers import CompileConfig
 
 from contbatch.engine.attention import AttentionGroup, KeyLayout, PagedAttentionMetadata
 from contbatch.engine.kv_cache import PagedKVCache
+from contbatch.engine.varlen_graphs import StaticVarlenInputs, VarlenKey, varlen_key
 
 PRESET_BATCH_INTERVAL = 8
 PRESET_KV_INTERVAL = 256
 PRESET_MAX_GRAPHS = 64
+SEEN_LIMIT = 4096
 
 Forward = Callable[[dict[str, torch.Tensor], PagedAttentionMetadata], torch.Tensor]
 
@@ -156,6 +160,9 @@ class StaticDecodeInputs:
             layout.forget_masks()
 
 
+StaticInputs = StaticDecodeInputs | StaticVarlenInputs
+
+
 class GraphBackend(Protocol):
     """Turns a forward over static buffers into a replay function returning its logits."""
 
@@ -204,45 +211,80 @@ class CudaGraphBackend:
         return replay
 
 
-class DecodeGraphs:
-    """The captured decode steps of one engine, by bucket (least recently used dropped past `max_graphs`).
+class StepGraphs:
+    """The captured steps of one engine, by bucket: decode steps (`run`) and, where the Triton kernel attends in
+    ragged groups, varlen steps (`run_varlen`), least recently used dropped past `max_graphs` whatever their kind.
 
-    Graphs read the cache's storage and the model's parameters at the addresses they had at capture: `clear()`
-    must be called when either is replaced (the cache's storage is checked at every step; the engine clears the
-    graphs when it learns of new weights). `num_captures` and `capture_seconds` count every capture so far."""
+    A varlen bucket is captured the second time a step falls in it (the first runs eagerly): a run's varlen
+    steps vary more than its decode steps, and a capture costs more than an eager step, so buckets seen once are
+    not worth one. Graphs read the cache's storage and the model's parameters at the addresses they had at
+    capture: `clear()` must be called when either is replaced (the cache's storage is checked at every step; the
+    engine clears the graphs when it learns of new weights). `num_captures` and `capture_seconds` count every
+    capture so far."""
 
     def __init__(self, cache: PagedKVCache, settings: GraphSettings, backend: GraphBackend) -> None:
         self.cache = cache
         self.settings = settings
         self.backend = backend
-        self.graphs: OrderedDict[GraphKey, tuple[StaticDecodeInputs, Callable[[], torch.Tensor]]] = OrderedDict()
+        self.graphs: OrderedDict[GraphKey | VarlenKey, tuple[StaticInputs, Callable[[], torch.Tensor]]] = (
+            OrderedDict())
         self.num_captures = 0
         self.capture_seconds = 0.0
         self._storage = 0
+        self._seen: set[VarlenKey] = set()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
             forward: Forward) -> torch.Tensor:
         """The logits [requests, vocab] of a decode step whose every request samples, from its bucket's graph
         (captured now if the bucket has none). The rows are the graph's output buffer: valid until the next
         run."""
+        self._check_storage()
+        key = graph_key(metadata, self.settings)
+        entry = self.graphs.get(key)
+        static = StaticDecodeInputs(key, self.cache) if entry is None else entry[0]
+        assert isinstance(static, StaticDecodeInputs)
+        static.fill(input_ids, positions, metadata)
+        if entry is None:
+            entry = self._capture(key, static, forward)
+        else:
+            self.graphs.move_to_end(key)
+        return entry[1]()[:len(input_ids)]
+
+    def run_varlen(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                   metadata: PagedAttentionMetadata, forward: Forward) -> torch.Tensor | None:
+        """The logits [len(logits_indices), vocab] of a varlen step attended in one ragged group, from its
+        bucket's graph (captured now when the bucket is seen a second time); None when the step runs eagerly
+        (not ragged, or its bucket seen for the first time). The rows are valid until the next run."""
+        settings = self.settings
+        key = varlen_key(metadata, len(input_ids), len(logits_indices), settings.batch_interval,
+                         settings.kv_interval)
+        if key is None:
+            return None
+        self._check_storage()
+        entry = self.graphs.get(key)
+        if entry is None and key not in self._seen:
+            if len(self._seen) >= SEEN_LIMIT:
+                self._seen.clear()
+            self._seen.add(key)
+            return None
+        static = StaticVarlenInputs(key, self.cache) if entry is None else entry[0]
+        assert isinstance(static, StaticVarlenInputs)
+        static.fill(input_ids, positions, logits_indices, metadata)
+        if entry is None:
+            entry = self._capture(key, static, forward)
+        else:
+            self.graphs.move_to_end(key)
+        return entry[1]()[:len(logits_indices)]
+
+    def _check_storage(self) -> None:
         if self._storage != self.cache.storage_address:
             self.clear()
             self._storage = self.cache.storage_address
-        key = graph_key(metadata, self.settings)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self._capture(key, input_ids, positions, metadata, forward)
-        else:
-            self.graphs.move_to_end(key)
-            entry[0].fill(input_ids, positions, metadata)
-        return entry[1]()[:len(input_ids)]
 
-    def _capture(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metadata: PagedAttentionMetadata, forward: Forward) -> tuple[StaticDecodeInputs,
-                                                                              Callable[[], torch.Tensor]]:
+    def _capture(self, key: GraphKey | VarlenKey, static: StaticInputs,
+                 forward: Forward) -> tuple[StaticInputs, Callable[[], torch.Tensor]]:
+        """Captures the forward over `static`'s buffers (filled with the step) as `key`'s graph."""
         start = time.perf_counter()
-        static = StaticDecodeInputs(key, self.cache)
-        static.fill(input_ids, positions, metadata)
 
         def run() -> torch.Tensor:
             static.forget_masks()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import CompileConfig, PreTrainedModel
 
+from contbatch.engine import triton_attention
 from contbatch.engine.attention import (
     METADATA_KWARG,
     AttentionGroup,
@@ -24,21 +25,22 @@ from contbatch.engine.attention_groups import (
     attention_group,
     group_to_device,
     padding_bounded_sets,
+    ragged_group,
 )
 from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOutput
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.compile_padding import pad_for_compile
-from contbatch.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphSettings
+from contbatch.engine.cuda_graphs import CudaGraphBackend, Forward, GraphBackend, GraphSettings, StepGraphs
 from contbatch.engine.fused_modules import fused_forward
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.packed_weights import packed_forward, weights_changed
+from contbatch.engine.prompt_logprobs import prompt_logprobs, prompt_rows
 from contbatch.engine.sampler import Sampler
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
-LOG_SOFTMAX_ROWS = 256
 _SCREENED = "_contbatch_screened_tokens"
 
 
@@ -58,8 +60,9 @@ class ModelRunner:
     `compile_paths` ("decode" / "varlen" -> `CompileConfig`) runs those steps through `torch.compile`d forwards
     (`CompiledForward`, shared by the engines of one model); the others run eagerly.
 
-    `graphs` (settings, or None) replays decode steps whose every request samples from captured graphs
-    (`DecodeGraphs`), through `graph_backend` (CUDA graphs by default).
+    `graphs` (settings, or None) replays steps from captured graphs (`StepGraphs`), through `graph_backend` (CUDA
+    graphs by default): decode steps whose every request samples, and varlen steps where the Triton kernel
+    attends them in one ragged group (`ragged`).
     """
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache,
@@ -68,13 +71,15 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.compiled = shared_compiled_forward(model, compile_paths) if compile_paths else None
-        self.graphs = None if graphs is None else DecodeGraphs(cache, graphs, graph_backend or CudaGraphBackend())
+        self.graphs = None if graphs is None else StepGraphs(cache, graphs, graph_backend or CudaGraphBackend())
         self._weight_addresses = _parameter_addresses(model)
         # sliding groups leave DEAD_BLOCK entries in block tables
         self.windows = tuple(group.sliding_window for group in cache.groups)
         self.has_dead_blocks = any(window is not None for window in self.windows)
         self.sampler = Sampler()
         self.device = cache.keys[0].device
+        # steps with prompt tokens attend in one ragged group where the Triton kernel attends
+        self.ragged = triton_attention.usable_on(self.device)
         self._previous_attention: str | None = None
         self._prompt_logprobs: dict[str, list[PromptLogprob]] = {}
         self.head_is_final: bool | None = None
@@ -113,9 +118,8 @@ class ModelRunner:
         path = "decode" if len(input_ids) == len(scheduler_output.requests) else "varlen"
         num_sampling = sum(1 for entry in scheduler_output.requests if entry.samplers)
         forward = functools.partial(self._forward, path)
-        if self.graphs is not None and path == "decode" and len(logits_indices) == num_sampling == len(input_ids):
-            logits = self.graphs.run(input_ids, positions, metadata, forward)
-        else:
+        logits = self._replayed(path, input_ids, positions, logits_indices, num_sampling, metadata, forward)
+        if logits is None:
             inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0),
                       "logits_to_keep": logits_indices}
             if self.compiled is not None and path in self.compiled.paths:
@@ -126,6 +130,16 @@ class ModelRunner:
             logits = forward(inputs, metadata)[:len(logits_indices)]
         self._prompt_logprobs = prompt_logprobs(logits[num_sampling:], scheduler_output.requests)
         return logits[:num_sampling]
+
+    def _replayed(self, path: str, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                  num_sampling: int, metadata: PagedAttentionMetadata, forward: Forward) -> torch.Tensor | None:
+        """The step's logits from a captured graph (`StepGraphs`), or None when it runs eagerly: a decode step
+        whose every request samples, a varlen step whose every logits row samples (its bucket seen before)."""
+        if self.graphs is None or len(logits_indices) != num_sampling:
+            return None
+        if path == "decode":
+            return self.graphs.run(input_ids, positions, metadata, forward) if num_sampling == len(input_ids) else None
+        return self.graphs.run_varlen(input_ids, positions, logits_indices, metadata, forward)
 
     def _screened(self, forward: Callable[[], torch.Tensor], rows: int) -> torch.Tensor:
         """The logits of a plain greedy step through the head screen (`head_screen.screened_forward`): when it
@@ -237,20 +251,31 @@ class ModelRunner:
         slot_mapping = block_tables[:, request_of_token, positions // block_size] * block_size + positions % block_size
         samples = int_tensor(len(entry.samplers) for entry in scheduled) > 0
         logits_indices = (offsets + counts - 1)[samples]
-        prompt_rows = _prompt_rows(scheduled, offsets)
-        if prompt_rows:
-            logits_indices = torch.cat([logits_indices, *prompt_rows])
+        scored_rows = prompt_rows(scheduled, offsets)
+        if scored_rows:
+            logits_indices = torch.cat([logits_indices, *scored_rows])
+        if self.ragged and len(token_ids) > len(scheduled):
+            groups = [ragged_group(counts, starts, positions, request_of_token, block_tables, block_size,
+                                   self.windows)]
+        else:
+            groups = self._padded_groups(counts, starts, offsets, block_tables, len(token_ids))
+        carried = [index for index, entry in enumerate(scheduled) if entry.carried]
+        return PreparedBatch(token_ids, positions, logits_indices, slot_mapping, groups,
+                             (offsets + counts - 1)[carried].tolist(), [scheduled[i].request_id for i in carried])
+
+
+    def _padded_groups(self, counts: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor,
+                       block_tables: torch.Tensor, num_tokens: int) -> list[AttentionGroup]:
+        """The decoding requests in one group, the others in groups of bounded padding (one on a GPU)."""
         single = counts == 1
         member_sets = [single.nonzero().squeeze(1)] if bool(single.any()) else []
         member_sets += padding_bounded_sets((~single).nonzero().squeeze(1), counts, starts,
                                             MAX_PADDING if self.device.type == "cpu" else None)
-        groups = [attention_group(members, counts, starts, offsets, block_tables, block_size, self.windows)
-                  for members in member_sets]
+        groups = [attention_group(members, counts, starts, offsets, block_tables, self.cache.block_size,
+                                  self.windows) for members in member_sets]
         if len(groups) == 1 and groups[0].real_queries is None:
-            groups[0].whole_batch = torch.equal(groups[0].query_rows, torch.arange(len(token_ids)))
-        carried = [index for index, entry in enumerate(scheduled) if entry.carried]
-        return PreparedBatch(token_ids, positions, logits_indices, slot_mapping, groups,
-                             (offsets + counts - 1)[carried].tolist(), [scheduled[i].request_id for i in carried])
+            groups[0].whole_batch = torch.equal(groups[0].query_rows, torch.arange(num_tokens))
+        return groups
 
 
 @dataclass
@@ -330,48 +355,3 @@ def _block_tables(scheduled: list[ScheduledRequest]) -> torch.Tensor:
             flat.extend(table)
             flat.frombytes(bytes(flat.itemsize * (width - len(table))))
     return torch.frombuffer(flat, dtype=torch.int64).view(len(scheduled), -1, width).transpose(0, 1)
-
-
-def _prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> list[torch.Tensor]:
-    """For each request with a prompt logprobs task, in batch order, the packed indices of the tokens whose
-    logits score its task's `token_ids` (prompt token i is scored at position i - 1)."""
-    rows = []
-    for index, entry in enumerate(scheduled):
-        task = entry.prompt_logprobs
-        if task is not None and task.token_ids:
-            first = int(offsets[index]) + task.first_scored - 1 - entry.num_computed_tokens
-            rows.append(torch.arange(first, first + len(task.token_ids)))
-    return rows
-
-
-def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, list[PromptLogprob]]:
-    """The entries of every prompt logprobs task of `scheduled` from `rows`, their logits rows in batch order
-    (see `_prompt_rows`): log_softmax in float32 of at most LOG_SOFTMAX_ROWS rows at a time (so the float32
-    block stays small whatever the chunk), the scored token's logprob and the top `num_top` gathered on the
-    device, then one transfer to the CPU."""
-    tasks = [(entry.request_id, entry.prompt_logprobs) for entry in scheduled if entry.prompt_logprobs is not None]
-    if not tasks:
-        return {}
-    targets = torch.tensor([token for _, task in tasks for token in task.token_ids], dtype=torch.long,
-                           device=rows.device)
-    num_top = max(task.num_top for _, task in tasks)
-    chosen = torch.empty(len(targets), dtype=torch.float32, device=rows.device)
-    top_values = torch.empty(len(targets), num_top, dtype=torch.float32, device=rows.device)
-    top_ids = torch.empty(len(targets), num_top, dtype=torch.long, device=rows.device)
-    for start in range(0, len(targets), LOG_SOFTMAX_ROWS):
-        end = min(start + LOG_SOFTMAX_ROWS, len(targets))
-        block = rows[start:end].log_softmax(-1, dtype=torch.float32)
-        chosen[start:end] = block.gather(1, targets[start:end].unsqueeze(1)).squeeze(1)
-        if num_top:
-            top_values[start:end], top_ids[start:end] = block.topk(num_top, dim=-1)
-    chosen_list, values_list, ids_list = chosen.tolist(), top_values.tolist(), top_ids.tolist()
-    entries: dict[str, list[PromptLogprob]] = {}
-    row = 0
-    for request_id, task in tasks:
-        k = task.num_top
-        entries[request_id] = [
-            PromptLogprob(chosen_list[i], tuple(zip(ids_list[i][:k], values_list[i][:k], strict=True)))
-            for i in range(row, row + len(task.token_ids))
-        ]
-        row += len(task.token_ids)
-    return entries

@@ -3,9 +3,11 @@
 `paged_attention(query, key_cache, value_cache, slots, lengths, first, scale, softcap, queries_per_request)`: query
 rows [R, heads, dim], row r of request r // queries_per_request attending to the positions [first[r], lengths[r]) of
 that request's slots [B, L] in the cache ([kv_heads, slots, dim] per layer); returns [R, heads, dim] in the
-query's dtype. Decode rows (one query per request) and a prefill chunk's causal rows alike; a sliding window is a
-later `first`. The keys are read straight from the cache by slot: no gathered copy of K/V, no mask tensor, one
-launch per attention group, so a decode step's attention is capturable in a CUDA graph as it is.
+query's dtype (the cache's may differ). Decode rows (one query per request) and a prefill chunk's causal rows
+alike; a sliding window is a later `first`; a ragged batch names each row's request (`row_requests`: a varlen
+step's every token in one call, `varlen_graphs`). The keys are read straight from the cache by slot: no gathered
+copy of K/V, no mask tensor, one launch per attention group, so a step's attention is capturable in a CUDA graph
+as it is.
 
 One program per query row and KV head computes that row's query heads of the KV head together (GQA), over key
 tiles, with an online softmax in float32. Everything is widened to float32: a float32 model's products run at full
@@ -14,8 +16,9 @@ model's take TF32, exact for their query-key products (TF32 holds their values),
 TF32 (finer than the bfloat16 of SDPA's GPU kernels).
 
 Opt-in (`CONTBATCH_ATTENTION_KERNEL=triton`) until a GPU session has run it: on a CUDA model it replaces the
-gather of K/V and SDPA; on a CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the
-test suite checks it without a GPU. `available()` says whether Triton can be imported.
+gather of K/V and SDPA, and steps with prompt tokens attend in one ragged group; on a CPU it runs only under
+Triton's interpreter (`TRITON_INTERPRET=1`), which is how the test suite checks it without a GPU. `available()`
+says whether Triton can be imported.
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ def requested() -> bool:
     return os.environ.get(KERNEL_ENV, "").strip().lower() == "triton"
 
 
-def usable_for(query: torch.Tensor) -> bool:
-    """Whether the kernel can attend `query` here: requested, Triton installed, and the tensor on a CUDA device,
-    or on a CPU under Triton's interpreter."""
+def usable_on(device: torch.device) -> bool:
+    """Whether the kernel attends on `device`: requested, Triton installed, and a CUDA device, or a CPU under
+    Triton's interpreter."""
     if not requested() or not available():
         return False
-    return query.device.type == "cuda" or (query.device.type == "cpu" and _interpreting())
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
 
 
 def _interpreting() -> bool:
@@ -57,15 +60,20 @@ def _interpreting() -> bool:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
                     lengths: torch.Tensor, first: torch.Tensor, scale: float, softcap: float,
-                    queries_per_request: int) -> torch.Tensor:
-    """See the module's docstring. Every row's range must hold at least one position (a padding row reads its
-    last one). Raises ValueError on shapes that disagree."""
+                    queries_per_request: int, row_requests: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module's docstring. `row_requests` ([R] int64), when given, names each row's request instead
+    (a ragged batch: rows of any request in any order; `queries_per_request` is then ignored). A row whose range
+    is empty gets zeros (a padding row). Raises ValueError on shapes that disagree."""
     rows, heads, dim = query.shape
     kv_heads = key_cache.shape[0]
     if heads % kv_heads or key_cache.shape != value_cache.shape or key_cache.shape[2] != dim:
         raise ValueError(f"query {tuple(query.shape)} does not fit the cache {tuple(key_cache.shape)} / "
                          f"{tuple(value_cache.shape)}")
-    if slots.dim() != 2 or slots.shape[0] * queries_per_request != rows:
+    if row_requests is not None:
+        if row_requests.shape != (rows,) or slots.dim() != 2:
+            raise ValueError(f"need slots [requests, L] and a request for each of {rows} rows, got "
+                             f"{tuple(slots.shape)} and {tuple(row_requests.shape)}")
+    elif slots.dim() != 2 or slots.shape[0] * queries_per_request != rows:
         raise ValueError(f"slots {tuple(slots.shape)} for {rows} query rows, {queries_per_request} per request")
     if lengths.shape != (rows,) or first.shape != (rows,):
         raise ValueError(f"need a length and a first position for each of {rows} rows, got "
@@ -78,12 +86,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_n = 64 if query.element_size() < 4 else 32
     _kernel(_interpreting())[(rows, kv_heads)](
         query, key_cache, value_cache, output, slots, lengths.contiguous(), first.contiguous(),
+        lengths if row_requests is None else row_requests.contiguous(),
         float(scale), float(softcap), queries_per_request, slots.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1),
         GROUP=group, BLOCK_G=max(_MIN_DOT, _next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_D=max(_MIN_DOT, _next_power_of_2(dim)), BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        IEEE=query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32, RAGGED=row_requests is not None,
     )
     return output
 

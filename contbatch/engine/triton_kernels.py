@@ -6,16 +6,16 @@ import triton.language as tl
 
 
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, lengths_ptr, first_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, lengths_ptr, first_ptr, row_requests_ptr,
     scale, softcap, queries_per_request, slots_per_request,
     q_row_stride, q_head_stride, o_row_stride, o_head_stride, kv_head_stride, kv_slot_stride,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, RAGGED: tl.constexpr,
 ):
     """`triton_attention.paged_attention` for query row program_id(0) and KV head program_id(1)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    request = row // queries_per_request
+    request = tl.load(row_requests_ptr + row) if RAGGED else row // queries_per_request
     begin = tl.load(first_ptr + row)
     end = tl.load(lengths_ptr + row)
     g = tl.arange(0, BLOCK_G)

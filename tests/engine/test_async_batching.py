@@ -10,7 +10,7 @@ import torch
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
 from contbatch.engine.batch import SchedulerOutput
-from contbatch.engine.cuda_graphs import DecodeGraphs, EagerReplay, GraphSettings
+from contbatch.engine.cuda_graphs import EagerReplay, GraphSettings, StepGraphs
 from contbatch.engine.model_runner import PreparedBatch
 from contbatch.engine.outputs import EventType
 from contbatch.engine.request import RequestStatus
@@ -292,7 +292,7 @@ def test_decode_graphs_replayed_on_the_forward_thread_match_generate() -> None:
     model = tiny_model("llama")
     prompts = random_prompts(LENGTHS, seed=28)
     with make_engine(model, use_async_batching=True, block_size=4, num_blocks=200, max_batch_tokens=32) as engine:
-        graphs = DecodeGraphs(engine.cache, GraphSettings(batch_interval=2, kv_interval=4, max_graphs=3),
+        graphs = StepGraphs(engine.cache, GraphSettings(batch_interval=2, kv_interval=4, max_graphs=3),
                               EagerReplay())
         engine.model_runner.graphs = graphs
         finished = _run(engine, prompts)

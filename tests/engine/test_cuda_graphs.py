@@ -16,9 +16,9 @@ from contbatch.engine.cuda_graphs import (
     PRESET_BATCH_INTERVAL,
     PRESET_KV_INTERVAL,
     PRESET_MAX_GRAPHS,
-    DecodeGraphs,
     EagerReplay,
     GraphSettings,
+    StepGraphs,
     resolve_graph_settings,
     round_up,
 )
@@ -53,8 +53,8 @@ class PoolRecordingReplay(EagerReplay):
         self.pool += 1
 
 
-def with_eager_graphs(engine: LLMEngine, settings: GraphSettings, backend: EagerReplay | None = None) -> DecodeGraphs:
-    graphs = DecodeGraphs(engine.cache, settings, backend or EagerReplay())
+def with_eager_graphs(engine: LLMEngine, settings: GraphSettings, backend: EagerReplay | None = None) -> StepGraphs:
+    graphs = StepGraphs(engine.cache, settings, backend or EagerReplay())
     engine.model_runner.graphs = graphs
     return graphs
 

@@ -82,6 +82,28 @@ def test_kernel_attends_prefill_rows_causally(group: int, window: int) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_attends_a_ragged_batch(dtype: torch.dtype) -> None:
+    """Rows naming their request (`row_requests`): requests' rows in any order and number, each row over its
+    own range of its request's slots; a row with an empty range (padding) gets zeros."""
+    generator = torch.Generator().manual_seed(11)
+    kv_heads, group, dim = 3, 3, 64
+    keys, values = _cache(kv_heads, dim, 48, dtype, generator)
+    tables = torch.stack([torch.randperm(48, generator=generator)[:8] for _ in range(4)])
+    positions = torch.arange(8 * BLOCK)
+    slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
+    row_requests = torch.tensor([2, 0, 0, 0, 3, 1, 2, 2, 0])
+    lengths = torch.tensor([90, 1, 2, 3, 128, 40, 91, 92, 1])
+    first = torch.tensor([0, 0, 0, 0, 100, 0, 10, 0, 1])  # the last row's range is empty
+    query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
+    got = _run(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, 1, row_requests)
+    expected = reference(query[:-1], keys, values, slots[row_requests[:-1]], lengths[:-1], first[:-1],
+                         dim**-0.5, 0.0)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got[:-1].double(), expected, rtol=tolerance, atol=tolerance)
+    assert not got[-1].any()
+
+
 def test_kernel_refuses_slots_for_another_number_of_rows() -> None:
     keys = torch.zeros(1, 64, 16)
     with pytest.raises(ValueError, match=r"slots \(2, 8\) for 6 query rows, 4 per request"):
@@ -91,21 +113,20 @@ def test_kernel_refuses_slots_for_another_number_of_rows() -> None:
 
 
 def test_attention_selects_the_kernel_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    query = torch.zeros(1, 2, 16, device=TEST_DEVICE)
-    assert triton_attention.usable_for(query)
+    assert triton_attention.usable_on(TEST_DEVICE)
     monkeypatch.setenv(triton_attention.KERNEL_ENV, "")
-    assert not triton_attention.usable_for(query)
+    assert not triton_attention.usable_on(TEST_DEVICE)
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid", "gemma2-softcap"])
 def test_engine_with_the_kernel_matches_generate(model_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy parity through the engine with every attention call in the kernel (chunked prefill, decode, a
-    sliding window and soft-capped logits), and no call left to the other paths."""
-    calls = []
+    """Greedy parity through the engine with every attention call in the kernel (chunked prefill in ragged
+    groups, decode, a sliding window and soft-capped logits), and no call left to the other paths."""
+    calls: list[bool] = []
     kernel = triton_attention.paged_attention
 
     def counted(*args: object) -> torch.Tensor:
-        calls.append(1)
+        calls.append(len(args) == 10)  # a ragged group passes its rows' requests
         return kernel(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attention, "triton_paged_attention", counted)
@@ -116,6 +137,6 @@ def test_engine_with_the_kernel_matches_generate(model_name: str, monkeypatch: p
         for index, (prompt, count) in enumerate(zip(prompts, max_new, strict=True)):
             engine.add_request(prompt, request_id=f"r{index}", max_new_tokens=count)
         finished = run_engine(engine)
-    assert calls
+    assert any(calls) and not all(calls)
     for index, (prompt, count) in enumerate(zip(prompts, max_new, strict=True)):
         assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, count), f"r{index}"
