@@ -10,6 +10,9 @@
 # confirm: the tests, then the default settings once at 512 prompts and float32 outputs against static generate.
 # owed: the engine files not yet run on a GPU (and the bfloat16 and async files), the confirm benchmarks, a sampled
 #       and a synchronous 512-prompt run, then the profile.
+# triton: the sleep, graph and async files (the sleep tests first), the Triton kernel's and varlen graphs' files,
+#       then the parity, graph, async and bfloat16 files with the kernel on (CONTBATCH_ATTENTION_KERNEL=triton),
+#       then 512-prompt and float32 runs with the kernel off and on.
 set -uo pipefail
 WHEELS=$1 CONFIG=$2 OUT=$3 WHAT=${4:-all}
 # The parity, graph, async and API suites first; the C++ kernels', compile, fused-module, head-screen and
@@ -24,7 +27,12 @@ REST=(tests/engine/test_attached_model.py tests/engine/test_attention_groups.py 
   tests/engine/test_sampler.py tests/engine/test_scheduler.py tests/engine/test_score_requests.py
   tests/engine/test_sleep.py tests/engine/test_step_outputs.py tests/engine/test_touch_limit.py
   tests/engine/test_weights.py tests/engine/test_block_pool.py)
+TRITON_FILES=(tests/engine/test_sleep.py tests/engine/test_cuda_graphs.py tests/engine/test_async_batching.py
+  tests/engine/test_triton_attention.py tests/engine/test_varlen_graphs.py)
+KERNEL_ON_FILES=(tests/engine/test_parity.py tests/engine/test_cuda_graphs.py tests/engine/test_async_batching.py
+  tests/engine/test_bfloat16.py tests/engine/test_sliding_window.py)
 [[ $WHAT == owed ]] && GPU_TEST_FILES=${GPU_TEST_FILES:-owed}
+[[ $WHAT == triton ]] && TEST_FILES=("${TRITON_FILES[@]}")
 case ${GPU_TEST_FILES:-} in
   "") ;;
   rest) TEST_FILES=("${REST[@]}") ;;
@@ -39,16 +47,22 @@ lscpu | grep -E "^Model name|^CPU\(s\)"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'triton', triton.__version__)"
 
-if [[ $WHAT == tests || $WHAT == confirm || $WHAT == owed || $WHAT == all ]]; then
+if [[ $WHAT == tests || $WHAT == confirm || $WHAT == owed || $WHAT == triton || $WHAT == all ]]; then
   # One process: engines size their cache from the GPU's free memory, which parallel workers would share.
   # SIGINT at the limit still prints pytest's summary of what ran.
   CONTBATCH_TEST_DEVICE=cuda timeout -s INT "${TEST_SECONDS:-150}" python3 -m pytest -q -rfE --timeout 30 \
     -p no:cacheprovider --durations=8 "${TEST_FILES[@]}" >"$OUT/tests.log" 2>&1
   echo "tests rc=$?: $(tail -1 "$OUT/tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20
+  if [[ $WHAT == triton ]]; then
+    CONTBATCH_ATTENTION_KERNEL=triton CONTBATCH_TEST_DEVICE=cuda timeout -s INT "${TEST_SECONDS:-150}" python3 -m \
+      pytest -q -rfE --timeout 30 -p no:cacheprovider "${KERNEL_ON_FILES[@]}" >"$OUT/tests-kernel.log" 2>&1
+    echo "kernel-on tests rc=$?: $(tail -1 "$OUT/tests-kernel.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-kernel.log" | cut -c1-300 | head -20
+  fi
 fi
 
-if [[ $WHAT == bench || $WHAT == confirm || $WHAT == owed || $WHAT == all ]]; then
+if [[ $WHAT == bench || $WHAT == confirm || $WHAT == owed || $WHAT == triton || $WHAT == all ]]; then
   python3 examples/random_weights_model.py "$CONFIG" /tmp/rw >/dev/null || exit 1
   bench() {  # name, then flags
     local name=$1; shift
@@ -56,6 +70,15 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == owed || $WHAT == all ]]; th
     echo "$name rc=$?"; grep -E "^\| (contbatch|static|transformers)|agree" /tmp/bench-run.log
     { echo "=== $name: $*"; cat /tmp/bench-run.log; } >>"$OUT/bench.log"
   }
+  if [[ $WHAT == triton ]]; then  # the kernel (and varlen graphs) off, on, off, on; float32 outputs with it on
+    for kernel in off triton off triton; do
+      CONTBATCH_ATTENTION_KERNEL=$kernel bench "kernel-$kernel-512" --engines contbatch --num-prompts 512
+    done
+    CONTBATCH_ATTENTION_KERNEL=triton bench f32-kernel-128 --dtype float32 --engines contbatch,static
+    CONTBATCH_ATTENTION_KERNEL=triton bench sampled-kernel-512 --engines contbatch --num-prompts 512 \
+      --temperature 0.7 --top-p 0.9 --top-k 50
+    exit 0
+  fi
   if [[ $WHAT == confirm || $WHAT == owed ]]; then  # the defaults (auto), float32 outputs against static generate
     bench auto-512 --engines contbatch --num-prompts 512
     bench f32-auto-128 --dtype float32 --engines contbatch,static

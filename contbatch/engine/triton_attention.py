@@ -109,4 +109,6 @@ def _kernel(interpret: bool) -> Any:
 
     from contbatch.engine import triton_kernels
 
-    return triton.jit(triton_kernels.paged_attention_kernel)
+    # sizes that change from step to step would otherwise compile a variant each (1, or a multiple of 16)
+    return triton.jit(triton_kernels.paged_attention_kernel,
+                      do_not_specialize=["queries_per_request", "slots_per_request"])
