@@ -34,6 +34,7 @@ KERNEL_ENV = "CONTBATCH_ATTENTION_KERNEL"
 _MIN_DOT = 16
 
 
+@functools.cache
 def available() -> bool:
     """Whether Triton is installed (it comes with torch's CUDA wheels)."""
     return importlib.util.find_spec("triton") is not None
