@@ -27,6 +27,8 @@ import torch
 from contbatch.engine.attention import AttentionGroup, KeyLayout, PagedAttentionMetadata
 from contbatch.engine.kv_cache import PagedKVCache
 
+MIN_SIZE = 2
+
 
 def bucket(value: int, interval: int) -> int:
     """`value` rounded up to a multiple of `interval`, or of a quarter of the largest power of two not above
@@ -49,12 +51,12 @@ class VarlenKey:
 def varlen_key(metadata: PagedAttentionMetadata, num_tokens: int, num_rows: int, interval: int,
                kv_interval: int) -> VarlenKey | None:
     """The bucket of a varlen step (`num_tokens` tokens, `num_rows` logits rows), or None when its metadata is not
-    one ragged group."""
+    one ragged group. Tokens and rows are at least `MIN_SIZE` (a compiled forward would specialise 0 and 1)."""
     if len(metadata.groups) != 1 or metadata.groups[0].row_requests is None:
         return None
     group = metadata.groups[0]
-    requests = bucket(group.batch_size, interval)
-    return VarlenKey(bucket(num_tokens, interval), requests, bucket(num_rows, interval), tuple(
+    tokens, rows = bucket(max(num_tokens, MIN_SIZE), interval), bucket(max(num_rows, MIN_SIZE), interval)
+    return VarlenKey(tokens, bucket(group.batch_size, interval), rows, tuple(
         (bucket(layout.length, kv_interval), layout.first is not None) for layout in group.layouts
     ))
 
