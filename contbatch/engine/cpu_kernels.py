@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp",
-            _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp")
+            _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp")
 _HEADERS = (_CSRC / "simd.h",)
 PANEL = 16
 
@@ -69,8 +69,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def kernel_module() -> Any:
     """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`, `rms_norm`,
-    `silu_mul`, `screen_quantize`, `screen_tokens`, `has_vnni()`, and `parallel_threads()`: how many threads its
-    `at::parallel_for` runs on), or None when disabled or not buildable."""
+    `silu_mul`, `screen_quantize`, `screen_tokens`, `has_vnni()`, `draw_rows`, and `parallel_threads()`: how many
+    threads its `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -91,6 +91,21 @@ def kernel_module() -> Any:
         logger.warning("contbatch: CPU decode kernel unavailable (%s); using SDPA", error)
         return None
     return module
+
+
+DrawRows = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+
+
+def row_draw_kernel() -> DrawRows | None:
+    """The compiled `draw_rows(scores, uniforms) -> [tokens, log_norm]`: for [M, V] float32 contiguous CPU scores
+    and [M] float64 uniforms, the token each row draws from softmax over its whole row by the sampler's inverse
+    transform (`Sampler._inverse_transform`: blocks of 1,024 tokens summed in float32, running sums in float64),
+    and each row's logsumexp; two passes over the scores, no intermediate tensor. None without AVX2 or when the
+    kernels are not built."""
+    module = kernel_module()
+    if module is None or not module.has_draw_rows():
+        return None
+    return cast(DrawRows, module.draw_rows)
 
 
 PanelLinear = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]

@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from contbatch.engine import cpu_kernels, warpers
 from contbatch.engine import sampler as sampler_module
-from contbatch.engine import warpers
 from contbatch.engine.sampler import Sampler, SamplerOutput
 from contbatch.engine.sampling_params import SamplingParams
 from tests.conftest import TEST_DEVICE
@@ -433,7 +433,8 @@ def test_a_draw_from_ranked_candidates_equals_the_draw_from_the_kept_tokens() ->
     logits = torch.randn(16, 3000, generator=generator(21)) * 2
     for top_k, top_p in ((50, 1.0), (50, 0.8), (7, 0.5), (300, 0.95)):
         params = [SamplingParams(do_sample=True, temperature=0.7, top_k=top_k, top_p=top_p)] * 16
-        scores, candidates = sampler_module._process(logits, params)
+        processed = sampler_module._process(logits, params, list(range(16)))
+        scores, candidates = processed.scores, processed.candidates
         assert candidates is not None and candidates.shape == (16, top_k)
         for seed in range(20):
             draws = [sampler_module._draw(sampler_module._Processed(list(range(16)), scores, kept),
@@ -457,3 +458,49 @@ def test_a_draw_over_the_whole_vocabulary_gives_processed_logprobs_their_normali
         assert torch.allclose(out.logprobs[row], expected[out.token_ids[row]], atol=1e-5), row
     expected_top = torch.log_softmax(logits[0] / 0.8, dim=-1).topk(2).values
     assert torch.allclose(out.top_logprobs[0][0], expected_top, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [300, 1024, 3 * 1024 + 50])
+def test_the_row_kernel_draws_by_the_inverse_transform(vocab: int) -> None:
+    """`draw_rows` (the CPU's draw over whole rows): each token is where the row's uniform falls in its cumulative
+    probabilities (float64 here, to the rounding of a float32 block sum), never a -inf token, and each row's
+    logsumexp comes back; a row of -inf only gets token 0."""
+    kernel = cpu_kernels.row_draw_kernel()
+    assert kernel is not None
+    scores = torch.randn(64, vocab, generator=generator(vocab)) * 4
+    scores[::3, ::2] = float("-inf")
+    scores[5] = float("-inf")
+    scores[5, vocab - 7] = 2.0
+    scores[7] = float("-inf")
+    uniforms = torch.rand(64, generator=generator(1), dtype=torch.float64)
+    uniforms[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 0.25], dtype=torch.float64)
+    tokens, log_norm = kernel(torch.cat([scores[:7], scores[8:]]), torch.cat([uniforms[:7], uniforms[8:]]))
+    rows = [row for row in range(64) if row != 7]
+    probs = (scores[rows].double() - scores[rows].double().amax(dim=1, keepdim=True)).exp()
+    cdf = probs.cumsum(dim=1)
+    target = uniforms[rows] * cdf[:, -1]
+    before = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    slack = 1e-5 * cdf[:, -1]
+    after = cdf.gather(1, tokens[:, None])[:, 0]
+    assert bool((before <= target + slack).all()) and bool((target <= after + slack).all())
+    assert bool((scores[rows].gather(1, tokens[:, None]) > float("-inf")).all()) and tokens[5] == vocab - 7
+    torch.testing.assert_close(log_norm, torch.logsumexp(scores[rows], dim=1), rtol=1e-5, atol=1e-5)
+    assert kernel(scores[7:8].contiguous(), uniforms[7:8])[0].tolist() == [0]
+
+
+def test_plain_rows_on_a_cpu_draw_through_the_row_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows no warper masked skip the scan for kept tokens and draw in the kernel; the chi-square tests above then
+    check its distribution."""
+    calls = []
+    kernel = cpu_kernels.row_draw_kernel()
+    assert kernel is not None
+
+    def counted(scores: torch.Tensor, uniforms: torch.Tensor) -> list[torch.Tensor]:
+        calls.append(scores.shape)
+        return kernel(scores, uniforms)
+
+    monkeypatch.setattr(sampler_module, "row_draw_kernel", lambda: counted)
+    monkeypatch.setattr(sampler_module, "_kept_tokens", lambda _: pytest.fail("scanned for kept tokens"))
+    logits = torch.randn(4, 5000, generator=generator(3))
+    Sampler().sample(logits, [SamplingParams(do_sample=True, temperature=0.9)] * 4, [None] * 4)
+    assert calls == [torch.Size([4, 5000])]

@@ -140,6 +140,10 @@ torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& st
                             const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
 bool has_vnni();
 
+// draw_rows.cpp
+std::vector<torch::Tensor> draw_rows(const torch::Tensor& scores, const torch::Tensor& uniforms);
+bool has_draw_rows();
+
 // The compute kernels run without the GIL (they touch no Python object): other Python threads (a server's event
 // loop, a trainer beside the engine thread) run while a kernel does, instead of waiting for its end.
 const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
@@ -158,5 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "hidden rows as int8 codes + 128, with their scale and error norms");
   m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");
   m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");
+  m.def("draw_rows", &draw_rows, kNoGil, "one token per row drawn from softmax over the whole row, and its logsumexp");
+  m.def("has_draw_rows", &has_draw_rows, "whether draw_rows is built (AVX2)");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }

@@ -110,6 +110,8 @@ struct Lanes8 {
   }
   // 8 lanes, lane i the sum of the lanes of `v` congruent to i mod 8
   static __m256 fold(V v) { return v; }
+  // lanes of e where x > floor, else 0
+  static V keep_where_greater(V e, V x, V floor) { return _mm256_and_ps(e, _mm256_cmp_ps(x, floor, _CMP_GT_OQ)); }
 };
 #endif
 
@@ -177,6 +179,7 @@ struct Lanes16 {
   static V abs(V x) { return _mm512_abs_ps(x); }
   static float max_lane(V x) { return _mm512_reduce_max_ps(x); }
   static uint32_t ge_mask(V a, V b) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ)); }
+  static V keep_where_greater(V e, V x, V floor) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GT_OQ), e); }
   static __m256 fold(V v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
