@@ -32,7 +32,7 @@ from transformers import CompileConfig
 
 from contbatch.engine.attention import AttentionGroup, KeyLayout, PagedAttentionMetadata
 from contbatch.engine.kv_cache import PagedKVCache
-from contbatch.engine.varlen_graphs import StaticVarlenInputs, VarlenKey, varlen_key
+from contbatch.engine.varlen_graphs import StaticVarlenInputs, VarlenKey, fill_key_slots, varlen_key
 
 PRESET_BATCH_INTERVAL = 8
 PRESET_KV_INTERVAL = 256
@@ -142,16 +142,7 @@ class StaticDecodeInputs:
         self.slot_mapping[:, batch:] = self.scratch_slot
         self.query_positions[:batch].copy_(group.query_positions, non_blocking=True)
         self.query_positions[batch:] = 0
-        for slots, first, layout, real in zip(self.kv_slots, self.firsts, group.layouts, group.kv_slots,
-                                              strict=True):
-            length = layout.length
-            slots[:batch, :length].copy_(real.view(batch, length), non_blocking=True)
-            slots[:batch, length:] = slots[:batch, length - 1:length]
-            slots[batch:] = self.scratch_slot
-            if first is not None:
-                assert layout.first is not None
-                first[:batch].copy_(layout.first, non_blocking=True)
-                first[batch:] = 0
+        fill_key_slots(self.kv_slots, self.firsts, group, self.scratch_slot)
 
     def forget_masks(self) -> None:
         """Drops the masks the layouts built in an eager run, so a capture records their computation instead of

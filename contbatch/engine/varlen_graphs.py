@@ -61,6 +61,23 @@ def varlen_key(metadata: PagedAttentionMetadata, num_tokens: int, num_rows: int,
     ))
 
 
+def fill_key_slots(kv_slots: list[torch.Tensor], firsts: list[torch.Tensor | None], group: AttentionGroup,
+                   scratch_slot: int) -> None:
+    """Copies `group`'s key slots and first positions, per cache group, into a bucket's buffers ([requests,
+    length] and [requests]): a real request's padding keys repeat its last slot, padding requests read the
+    scratch slot from position 0."""
+    requests = group.batch_size
+    for slots, first, layout, real in zip(kv_slots, firsts, group.layouts, group.kv_slots, strict=True):
+        length = layout.length
+        slots[:requests, :length].copy_(real.view(requests, length), non_blocking=True)
+        slots[:requests, length:] = slots[:requests, length - 1:length]
+        slots[requests:] = scratch_slot
+        if first is not None:
+            assert layout.first is not None
+            first[:requests].copy_(layout.first, non_blocking=True)
+            first[requests:] = 0
+
+
 class StaticVarlenInputs:
     """The buffers one varlen bucket's graph reads, and the metadata over them; `fill` copies a step into them."""
 
@@ -94,7 +111,7 @@ class StaticVarlenInputs:
         padding."""
         (group,) = metadata.groups
         assert group.row_requests is not None
-        tokens, requests, rows = len(input_ids), group.batch_size, len(logits_indices)
+        tokens, rows = len(input_ids), len(logits_indices)
         self.inputs["input_ids"][0, :tokens].copy_(input_ids, non_blocking=True)
         self.inputs["position_ids"][0, :tokens].copy_(positions, non_blocking=True)
         self.inputs["input_ids"][0, tokens:] = 0
@@ -105,16 +122,7 @@ class StaticVarlenInputs:
         self.slot_mapping[:, tokens:] = self.scratch_slot
         self.row_requests[:tokens].copy_(group.row_requests, non_blocking=True)
         self.row_requests[tokens:] = 0
-        for slots, first, layout, real in zip(self.kv_slots, self.firsts, group.layouts, group.kv_slots,
-                                              strict=True):
-            length = layout.length
-            slots[:requests, :length].copy_(real.view(requests, length), non_blocking=True)
-            slots[:requests, length:] = slots[:requests, length - 1:length]
-            slots[requests:] = self.scratch_slot
-            if first is not None:
-                assert layout.first is not None
-                first[:requests].copy_(layout.first, non_blocking=True)
-                first[requests:] = 0
+        fill_key_slots(self.kv_slots, self.firsts, group, self.scratch_slot)
 
     def forget_masks(self) -> None:
         """Drops the row ranges the layouts built in an eager run, so a capture records their computation."""
