@@ -12,7 +12,7 @@
 #       and a synchronous 512-prompt run, then the profile.
 # triton: the sleep, graph and async files (the sleep tests first), the Triton kernel's and varlen graphs' files,
 #       then the parity, graph, async and bfloat16 files with the kernel on (CONTBATCH_ATTENTION_KERNEL=triton),
-#       then 512-prompt and float32 runs with the kernel off and on.
+#       then 512-prompt runs with the kernel off, on, off, a float32 run with it on, and top-p without top-k.
 set -uo pipefail
 WHEELS=$1 CONFIG=$2 OUT=$3 WHAT=${4:-all}
 # The parity, graph, async and API suites first; the C++ kernels', compile, fused-module, head-screen and
@@ -70,13 +70,12 @@ if [[ $WHAT == bench || $WHAT == confirm || $WHAT == owed || $WHAT == triton || 
     echo "$name rc=$?"; grep -E "^\| (contbatch|static|transformers)|agree" /tmp/bench-run.log
     { echo "=== $name: $*"; cat /tmp/bench-run.log; } >>"$OUT/bench.log"
   }
-  if [[ $WHAT == triton ]]; then  # the kernel (and varlen graphs) off, on, off, on; float32 outputs with it on
-    for kernel in off triton off triton; do
+  if [[ $WHAT == triton ]]; then  # the kernel (and varlen graphs) off, on, off; float32 outputs with it on
+    for kernel in off triton off; do
       CONTBATCH_ATTENTION_KERNEL=$kernel bench "kernel-$kernel-512" --engines contbatch --num-prompts 512
     done
     CONTBATCH_ATTENTION_KERNEL=triton bench f32-kernel-128 --dtype float32 --engines contbatch,static
-    CONTBATCH_ATTENTION_KERNEL=triton bench sampled-kernel-512 --engines contbatch --num-prompts 512 \
-      --temperature 0.7 --top-p 0.9 --top-k 50
+    bench topp-512 --engines contbatch --num-prompts 512 --temperature 0.7 --top-p 0.9 --top-k 0  # a full sort
     exit 0
   fi
   if [[ $WHAT == confirm || $WHAT == owed ]]; then  # the defaults (auto), float32 outputs against static generate
