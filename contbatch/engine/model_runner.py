@@ -263,7 +263,6 @@ class ModelRunner:
         return PreparedBatch(token_ids, positions, logits_indices, slot_mapping, groups,
                              (offsets + counts - 1)[carried].tolist(), [scheduled[i].request_id for i in carried])
 
-
     def _padded_groups(self, counts: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor,
                        block_tables: torch.Tensor, num_tokens: int) -> list[AttentionGroup]:
         """The decoding requests in one group, the others in groups of bounded padding (one on a GPU)."""
