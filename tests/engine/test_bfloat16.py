@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from contbatch.engine import attention, cpu_kernels, packed_weights
+from contbatch.engine import attention, cpu_kernels, packed_weights, triton_attention
 from contbatch.engine.packed_weights import PLAN_ATTRIBUTE, packed_forward, packing_applies
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 
@@ -110,6 +110,7 @@ def test_greedy_tokens_are_greedy_choices_of_a_bf16_forward(monkeypatch: pytest.
         return kernel(*args)
 
     monkeypatch.setattr(attention, "paged_decode_kernel", lambda: counted)
+    monkeypatch.delenv(triton_attention.KERNEL_ENV, raising=False)  # the C++ kernel's bfloat16 path, even then
     model = _bf16_model()
     prompts = random_prompts(LENGTHS, seed=7)
     with make_engine(model, block_size=4, num_blocks=200, max_batch_tokens=24) as engine:
