@@ -32,7 +32,7 @@ from transformers import CompileConfig
 
 from contbatch.engine.attention import AttentionGroup, KeyLayout, PagedAttentionMetadata
 from contbatch.engine.kv_cache import PagedKVCache
-from contbatch.engine.varlen_graphs import StaticVarlenInputs, VarlenKey, fill_key_slots, varlen_key
+from contbatch.engine.varlen_graphs import StaticVarlenInputs, VarlenKey, copy_padded, fill_key_slots, varlen_key
 
 PRESET_BATCH_INTERVAL = 8
 PRESET_KV_INTERVAL = 256
@@ -133,15 +133,10 @@ class StaticDecodeInputs:
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata) -> None:
         """Copies a decode step of this bucket into the buffers: the real requests first, then padding."""
         (group,) = metadata.groups
-        batch = group.batch_size
-        self.inputs["input_ids"][0, :batch].copy_(input_ids, non_blocking=True)
-        self.inputs["position_ids"][0, :batch].copy_(positions, non_blocking=True)
-        self.inputs["input_ids"][0, batch:] = 0
-        self.inputs["position_ids"][0, batch:] = 0
-        self.slot_mapping[:, :batch].copy_(metadata.slot_mapping, non_blocking=True)
-        self.slot_mapping[:, batch:] = self.scratch_slot
-        self.query_positions[:batch].copy_(group.query_positions, non_blocking=True)
-        self.query_positions[batch:] = 0
+        copy_padded(self.inputs["input_ids"][0], input_ids, 0)
+        copy_padded(self.inputs["position_ids"][0], positions, 0)
+        copy_padded(self.slot_mapping.T, metadata.slot_mapping.T, self.scratch_slot)
+        copy_padded(self.query_positions, group.query_positions, 0)
         fill_key_slots(self.kv_slots, self.firsts, group, self.scratch_slot)
 
     def forget_masks(self) -> None:

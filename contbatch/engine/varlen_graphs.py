@@ -74,8 +74,13 @@ def fill_key_slots(kv_slots: list[torch.Tensor], firsts: list[torch.Tensor | Non
         slots[requests:] = scratch_slot
         if first is not None:
             assert layout.first is not None
-            first[:requests].copy_(layout.first, non_blocking=True)
-            first[requests:] = 0
+            copy_padded(first, layout.first, 0)
+
+
+def copy_padded(buffer: torch.Tensor, values: torch.Tensor, padding: int) -> None:
+    """Copies `values` into the leading rows of `buffer` (along dim 0) and sets its other rows to `padding`."""
+    buffer[:len(values)].copy_(values, non_blocking=True)
+    buffer[len(values):] = padding
 
 
 class StaticVarlenInputs:
@@ -111,17 +116,11 @@ class StaticVarlenInputs:
         padding."""
         (group,) = metadata.groups
         assert group.row_requests is not None
-        tokens, rows = len(input_ids), len(logits_indices)
-        self.inputs["input_ids"][0, :tokens].copy_(input_ids, non_blocking=True)
-        self.inputs["position_ids"][0, :tokens].copy_(positions, non_blocking=True)
-        self.inputs["input_ids"][0, tokens:] = 0
-        self.inputs["position_ids"][0, tokens:] = 0
-        self.inputs["logits_to_keep"][:rows].copy_(logits_indices, non_blocking=True)
-        self.inputs["logits_to_keep"][rows:] = 0
-        self.slot_mapping[:, :tokens].copy_(metadata.slot_mapping, non_blocking=True)
-        self.slot_mapping[:, tokens:] = self.scratch_slot
-        self.row_requests[:tokens].copy_(group.row_requests, non_blocking=True)
-        self.row_requests[tokens:] = 0
+        copy_padded(self.inputs["input_ids"][0], input_ids, 0)
+        copy_padded(self.inputs["position_ids"][0], positions, 0)
+        copy_padded(self.inputs["logits_to_keep"], logits_indices, 0)
+        copy_padded(self.slot_mapping.T, metadata.slot_mapping.T, self.scratch_slot)
+        copy_padded(self.row_requests, group.row_requests, 0)
         fill_key_slots(self.kv_slots, self.firsts, group, self.scratch_slot)
 
     def forget_masks(self) -> None:
