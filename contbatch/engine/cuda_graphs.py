@@ -30,9 +30,16 @@ from typing import Protocol
 import torch
 from transformers import CompileConfig
 
-from contbatch.engine.attention import AttentionGroup, KeyLayout, PagedAttentionMetadata
+from contbatch.engine.attention import AttentionGroup, PagedAttentionMetadata
 from contbatch.engine.kv_cache import PagedKVCache
-from contbatch.engine.varlen_graphs import StaticVarlenInputs, VarlenKey, copy_padded, fill_key_slots, varlen_key
+from contbatch.engine.varlen_graphs import (
+    StaticVarlenInputs,
+    VarlenKey,
+    copy_padded,
+    fill_key_slots,
+    key_buffers,
+    varlen_key,
+)
 
 PRESET_BATCH_INTERVAL = 8
 PRESET_KV_INTERVAL = 256
@@ -118,14 +125,10 @@ class StaticDecodeInputs:
         self.slot_mapping = torch.full((len(cache.groups), batch), cache.scratch_slot, dtype=torch.long,
                                        device=device)
         self.query_positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.kv_slots = [torch.full((batch, length), cache.scratch_slot, dtype=torch.long, device=device)
-                         for length, _ in key.layouts]
-        self.firsts = [torch.zeros(batch, dtype=torch.long, device=device) if offset else None
-                       for _, offset in key.layouts]
+        self.kv_slots, self.firsts, layouts = key_buffers(key.layouts, batch, cache)
         group = AttentionGroup(
             batch_size=batch, num_queries=1, query_rows=torch.arange(batch, device=device),
-            query_positions=self.query_positions,
-            layouts=[KeyLayout(length, first) for (length, _), first in zip(key.layouts, self.firsts, strict=True)],
+            query_positions=self.query_positions, layouts=layouts,
             kv_slots=[slots.view(-1) for slots in self.kv_slots],
         )
         self.metadata = PagedAttentionMetadata(cache, self.slot_mapping, [group])

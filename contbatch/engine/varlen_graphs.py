@@ -61,6 +61,18 @@ def varlen_key(metadata: PagedAttentionMetadata, num_tokens: int, num_rows: int,
     ))
 
 
+def key_buffers(layouts: tuple[tuple[int, bool], ...], requests: int, cache: PagedKVCache
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[KeyLayout]]:
+    """A bucket's key buffers per cache group, from its (padded length, per-request offset) pairs: the slots
+    [requests, length] (the scratch slot), the first positions [requests] (where keys start at an offset), and
+    the `KeyLayout`s over them."""
+    slots = [torch.full((requests, length), cache.scratch_slot, dtype=torch.long, device=cache.device)
+             for length, _ in layouts]
+    firsts = [torch.zeros(requests, dtype=torch.long, device=cache.device) if offset else None
+              for _, offset in layouts]
+    return slots, firsts, [KeyLayout(length, first) for (length, _), first in zip(layouts, firsts, strict=True)]
+
+
 def fill_key_slots(kv_slots: list[torch.Tensor], firsts: list[torch.Tensor | None], group: AttentionGroup,
                    scratch_slot: int) -> None:
     """Copies `group`'s key slots and first positions, per cache group, into a bucket's buffers ([requests,
@@ -98,14 +110,10 @@ class StaticVarlenInputs:
         self.slot_mapping = torch.full((len(cache.groups), tokens), cache.scratch_slot, dtype=torch.long,
                                        device=device)
         self.row_requests = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.kv_slots = [torch.full((requests, length), cache.scratch_slot, dtype=torch.long, device=device)
-                         for length, _ in key.layouts]
-        self.firsts = [torch.zeros(requests, dtype=torch.long, device=device) if offset else None
-                       for _, offset in key.layouts]
+        self.kv_slots, self.firsts, layouts = key_buffers(key.layouts, requests, cache)
         group = AttentionGroup(
             batch_size=requests, num_queries=1, query_rows=torch.arange(tokens, device=device),
-            query_positions=self.inputs["position_ids"].view(tokens, 1),
-            layouts=[KeyLayout(length, first) for (length, _), first in zip(key.layouts, self.firsts, strict=True)],
+            query_positions=self.inputs["position_ids"].view(tokens, 1), layouts=layouts,
             kv_slots=[slots.view(-1) for slots in self.kv_slots], whole_batch=True, row_requests=self.row_requests,
         )
         self.metadata = PagedAttentionMetadata(cache, self.slot_mapping, [group])
