@@ -145,8 +145,8 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[
     else:
         scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=scores.device)[:, None]
     masked, candidates = mask_top_k_top_p(scores, params)
-    warped = mask_min_p(masked, params)
-    return _Processed(rows, warped, candidates, warped=warped is not scores)
+    processed = mask_min_p(masked, params)
+    return _Processed(rows, processed, candidates, warped=processed is not scores)
 
 
 def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -161,15 +161,13 @@ def _draw(processed: _Processed, generators: Sequence[torch.Generator | None]) -
     (rows no warper masked, or keeping more than DRAW_CANDIDATES tokens) runs in one kernel, `draw_rows`: the
     same draw in two passes over the scores (1.3 ms against 6.3 ms at 128 rows of the embedded model)."""
     values, token_ids = _candidate_scores(processed.scores, processed.candidates)
-    if token_ids is None and processed.warped:
-        values, token_ids = _kept_tokens(processed.scores)
     kernel = row_draw_kernel() if token_ids is None and _whole_rows_on_cpu(values) else None
-    if kernel is not None:
+    if token_ids is None and (kernel is None or processed.warped):
+        values, token_ids = _kept_tokens(processed.scores)
+    if kernel is not None and token_ids is None:
         chosen, log_norm = kernel(values.contiguous(), _uniforms(generators, values.device).view(-1))
         processed.drawn_log_norm = log_norm[:, None]
         return chosen
-    if token_ids is None and not processed.warped:
-        values, token_ids = _kept_tokens(processed.scores)
     shift = values.amax(dim=-1, keepdim=True)
     probs = (values - shift).exp_()
     chosen, total = _inverse_transform(probs, _uniforms(generators, probs.device))
