@@ -5,6 +5,12 @@ the compiled kernel."""
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -140,3 +146,80 @@ def test_engine_with_the_kernel_matches_generate(model_name: str, monkeypatch: p
     assert any(calls) and not all(calls)
     for index, (prompt, count) in enumerate(zip(prompts, max_new, strict=True)):
         assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, count), f"r{index}"
+
+
+class _RecordedLaunch:
+    """Stands in for the jitted kernel: records the grid, arguments and compile-time constants of a launch."""
+
+    def __init__(self) -> None:
+        self.args: tuple[object, ...] = ()
+        self.constants: dict[str, object] = {}
+
+    def __getitem__(self, grid: tuple[int, int]) -> _RecordedLaunch:
+        return self
+
+    def __call__(self, *args: object, **constants: object) -> None:
+        self.args, self.constants = args, constants
+
+
+def _triton_type(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                      torch.int64: "i64"}[value.dtype]
+    return "fp32" if isinstance(value, float) else "i32"
+
+
+_COMPILE_FOR_CUDA = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from contbatch.engine import triton_kernels
+kernel = triton.jit(triton_kernels.paged_attention_kernel)
+for signature, constants, capability in json.loads(sys.stdin.read()):
+    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", capability, 32))
+    print(capability, len(compiled.asm["cubin"]), ".entry paged_attention_kernel" in compiled.asm["ptx"])
+"""
+
+
+def _recorded_launch(dtype: torch.dtype, ragged: bool, softcap: float,
+                     monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, str], dict[str, object]]:
+    """The Triton signature and constants of the launch `paged_attention` makes for these inputs."""
+    from contbatch.engine import triton_kernels
+
+    recorded = _RecordedLaunch()
+    monkeypatch.setattr(triton_attention, "_kernel", lambda interpret: recorded)
+    keys = torch.zeros(3, 4 * BLOCK, 64, dtype=dtype)
+    rows = 5 if ragged else 2
+    triton_attention.paged_attention(torch.zeros(rows, 9, 64, dtype=dtype), keys, keys,
+                                     torch.zeros(2, 4 * BLOCK, dtype=torch.long), torch.ones(rows, dtype=torch.long),
+                                     torch.zeros(rows, dtype=torch.long), 0.125, softcap, 1,
+                                     torch.tensor([0, 1, 1, 0, 1]) if ragged else None)
+    names = list(inspect.signature(triton_kernels.paged_attention_kernel).parameters)
+    signature = {name: _triton_type(value) for name, value in zip(names, recorded.args, strict=False)}
+    signature.update(dict.fromkeys(recorded.constants, "constexpr"))
+    assert list(signature) == names
+    return signature, recorded.constants
+
+
+def test_kernel_compiles_for_cuda_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launches `paged_attention` makes (float32 decode rows; bfloat16 ragged rows with soft-capping),
+    compiled ahead of time by Triton's CUDA backend down to a cubin (PTX, then ptxas: no GPU or driver needed)
+    for sm_90 (H100, H200) and sm_80 (A100). The interpreter runs the kernel as Python; this checks that Triton
+    lowers it with the argument types and constants a real step passes. In a process of its own: the suite's
+    interpreter mode (`TRITON_INTERPRET`) would replace the compiler's language layer."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("Triton has no CUDA backend here")
+    launches = []
+    for dtype, ragged, softcap, capability in [(torch.float32, False, 0.0, 90), (torch.bfloat16, True, 30.0, 80)]:
+        signature, constants = _recorded_launch(dtype, ragged, softcap, monkeypatch)
+        assert constants["RAGGED"] is ragged and constants["IEEE"] is (dtype == torch.float32)
+        launches.append((signature, constants, capability))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_CUDA], input=json.dumps(launches), env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [line.split() for line in done.stdout.splitlines()]
+    assert [(int(capability), bool(int(size)) and entry == "True") for capability, size, entry in results] == [
+        (90, True), (80, True)]
