@@ -6,6 +6,11 @@ Building needs a C++ compiler and ninja; the result is cached by torch (`TORCH_E
 under ~/.cache), so only the first process on a machine pays the ~20 s build. Where the build fails, or with
 `CONTBATCH_CPU_KERNELS=0`, attention falls back to PyTorch's SDPA on gathered K/V and the cache is written with
 `index_copy_` (same results, slower), and the linear layers take oneDNN (`packed_weights`).
+
+The build targets this machine's CPU (`-march=native`: AVX2, AVX-512 and AVX512-BF16 paths where it has them).
+`CONTBATCH_CPU_ARCH` names another `-march` target instead, for a build that runs on a family of CPUs, or to
+check a narrower instruction set's paths on a wider CPU: `x86-64-v3` (AVX2 + FMA, no AVX-512), `x86-64-v4`
+(AVX-512 without BF16 or VNNI), `x86-64` (none of them: every kernel's scalar path or fallback).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ _SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "
             _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp")
 _HEADERS = (_CSRC / "simd.h",)
 PANEL = 16
+ARCH_ENV = "CONTBATCH_CPU_ARCH"
 
 DecodeKernel = Callable[..., torch.Tensor]
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,12 +84,13 @@ def kernel_module() -> Any:
 
         # -march=native: the build is only valid on this kind of CPU, so its flags are part of the name.
         openmp = _openmp_flags()
+        arch = target_arch()
         sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
-        digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join(openmp).encode())
+        digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join([arch, *openmp]).encode())
         module = load(
             name=f"contbatch_paged_decode_{digest.hexdigest()[:12]}",
             sources=[str(source) for source in _SOURCES],
-            extra_cflags=["-O3", "-march=native", *openmp],
+            extra_cflags=["-O3", f"-march={arch}", *openmp],
             extra_ldflags=openmp,
             verbose=False,
         )
@@ -161,6 +168,11 @@ def pack_panels(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor
     if weight.dtype == torch.bfloat16:
         panels = panels[..., _BF16_LINE_ORDER]
     return panels.contiguous()
+
+
+def target_arch() -> str:
+    """The `-march` target of the build: `CONTBATCH_CPU_ARCH` (see the module's docstring), else "native"."""
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
 
 
 def _openmp_flags() -> list[str]:

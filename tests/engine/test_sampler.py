@@ -460,6 +460,11 @@ def test_a_draw_over_the_whole_vocabulary_gives_processed_logprobs_their_normali
     assert torch.allclose(out.top_logprobs[0][0], expected_top, atol=1e-5)
 
 
+needs_draw_rows = pytest.mark.skipif(cpu_kernels.row_draw_kernel() is None,
+                                     reason="draw_rows needs AVX2 and a C++ compiler")
+
+
+@needs_draw_rows
 @pytest.mark.parametrize("vocab", [300, 1024, 3 * 1024 + 50])
 def test_the_row_kernel_draws_by_the_inverse_transform(vocab: int) -> None:
     """`draw_rows` (the CPU's draw over whole rows): each token is where the row's uniform falls in its cumulative
@@ -488,6 +493,7 @@ def test_the_row_kernel_draws_by_the_inverse_transform(vocab: int) -> None:
     assert kernel(scores[7:8].contiguous(), uniforms[7:8])[0].tolist() == [0]
 
 
+@needs_draw_rows
 def test_plain_rows_on_a_cpu_draw_through_the_row_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows no warper masked skip the scan for kept tokens and draw in the kernel; the chi-square tests above then
     check its distribution."""

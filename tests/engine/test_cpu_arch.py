@@ -1,0 +1,35 @@
+"""The CPU kernels built for another instruction set (`CONTBATCH_CPU_ARCH`): `make test` reruns the kernels'
+files with the target one set narrower than the machine's (`tests/narrower_arch.py`), and this file checks that
+such a build really took that set's paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from contbatch.engine import cpu_kernels
+from tests.narrower_arch import narrower_arch
+
+
+def test_target_arch_defaults_to_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_kernels.ARCH_ENV, raising=False)
+    assert cpu_kernels.target_arch() == "native"
+    monkeypatch.setenv(cpu_kernels.ARCH_ENV, " x86-64-v3 ")
+    assert cpu_kernels.target_arch() == "x86-64-v3"
+
+
+def test_the_narrower_target_of_each_cpu() -> None:
+    assert narrower_arch({"avx2", "fma", "avx512f", "avx512_bf16"}) == "x86-64-v3"
+    assert narrower_arch({"avx2", "fma"}) == "x86-64"
+    assert narrower_arch({"sse4_2"}) == narrower_arch(set()) == ""
+
+
+def test_the_build_takes_its_targets_paths() -> None:
+    """Under `x86-64-v3`: the AVX2 panels, no AVX-512 or AVX512-BF16 ones, the AVX2 draw, no VNNI (so no head
+    screen); under `x86-64`: neither the panel kernel nor the draw kernel, their callers' other paths instead."""
+    arch = cpu_kernels.target_arch()
+    module = cpu_kernels.kernel_module()
+    if arch not in ("x86-64-v3", "x86-64") or module is None:
+        pytest.skip(f"the kernels are built for {arch!r}")
+    built = (cpu_kernels.panel_gemm() is not None, cpu_kernels.wide_panels(), cpu_kernels.pair_panels(),
+             cpu_kernels.row_draw_kernel() is not None, bool(module.has_vnni()))
+    assert built == ((True, False, False, True, False) if arch == "x86-64-v3" else (False,) * 5)
