@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp",
-            _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp")
+            _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp", _CSRC / "rope.cpp")
 _HEADERS = (_CSRC / "simd.h",)
 PANEL = 16
 ARCH_ENV = "CONTBATCH_CPU_ARCH"
@@ -75,8 +75,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def kernel_module() -> Any:
     """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`, `rms_norm`,
-    `silu_mul`, `screen_quantize`, `screen_tokens`, `has_vnni()`, `draw_rows`, and `parallel_threads()`: how many
-    threads its `at::parallel_for` runs on), or None when disabled or not buildable."""
+    `silu_mul`, `rope`, `screen_quantize`, `screen_tokens`, `has_vnni()`, `draw_rows`, and `parallel_threads()`:
+    how many threads its `at::parallel_for` runs on), or None when disabled or not buildable."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     try:

@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from contbatch.engine.cpu_kernels import kernel_module
 from contbatch.engine.fused_modules import (
     PLAN_ATTRIBUTE,
+    FusedAttention,
     FusedMLP,
     FusedRMSNorm,
     _Plan,
@@ -76,14 +77,18 @@ def test_kernels_refuse_bad_operands() -> None:
         kernels.silu_mul(torch.randn(2, 8), torch.randn(2, 8).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("name,norms,mlps", [("llama", 5, 2), ("qwen3", 9, 2), ("mistral-sliding", 5, 2),
-                                             ("gemma3-hybrid", 0, 0), ("gemma2-softcap", 0, 0)])
-def test_which_modules_are_fused(name: str, norms: int, mlps: int) -> None:
+@pytest.mark.parametrize("name,norms,mlps,attentions", [
+    ("llama", 5, 2, 2), ("qwen3", 9, 2, 0), ("mistral-sliding", 5, 2, 0), ("gemma3-hybrid", 0, 0, 0),
+    ("gemma2-softcap", 0, 0, 0),
+])
+def test_which_modules_are_fused(name: str, norms: int, mlps: int, attentions: int) -> None:
     """Llama-style norms (Qwen3's per-head q/k norms too) and SiLU MLPs; Gemma's (1 + weight) norms and GELU MLPs
-    keep their own forwards."""
+    keep their own forwards; attention only where the forward is Llama's (Qwen3 normalises q/k, Mistral passes a
+    window)."""
     plan = _Plan.of(fresh_tiny_model(name, "cpu"))
     assert sum(isinstance(swap[3], FusedRMSNorm) for swap in plan.swaps) == norms
     assert sum(isinstance(swap[3], FusedMLP) for swap in plan.swaps) == mlps
+    assert sum(isinstance(swap[3], FusedAttention) for swap in plan.swaps) == attentions
 
 
 def test_hooked_or_other_modules_are_not_fused() -> None:
@@ -98,7 +103,7 @@ def test_hooked_or_other_modules_are_not_fused() -> None:
     assert not is_llama_norm(layer.post_attention_layernorm)
     plan = _Plan.of(model)
     skipped = (layer.input_layernorm, layer.mlp, layer.post_attention_layernorm)
-    assert not any(own in skipped for _, _, own, _ in plan.swaps) and len(plan.swaps) == 4
+    assert not any(own in skipped for _, _, own, _ in plan.swaps) and len(plan.swaps) == 6
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -192,24 +197,25 @@ def test_engine_runs_fused_and_matches_generate(dtype: torch.dtype) -> None:
     """The engine's eager CPU forwards take the fused modules; float32 greedy outputs stay `generate`'s (bfloat16
     ones within the near-tie tolerance that tests/engine/test_bfloat16.py checks, through these modules too)."""
     model = fresh_tiny_model("llama", "cpu").to(dtype)
-    calls = {"norm": 0, "mlp": 0}
-    norm_forward, mlp_forward = FusedRMSNorm.forward, FusedMLP.forward
+    calls = {"norm": 0, "mlp": 0, "attention": 0}
+    norm_forward, mlp_forward, attention_forward = FusedRMSNorm.forward, FusedMLP.forward, FusedAttention.forward
 
     def counted(kind: str, forward):  # type: ignore[no-untyped-def]
-        def wrapper(self, x):  # type: ignore[no-untyped-def]
+        def wrapper(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             calls[kind] += 1
-            return forward(self, x)
+            return forward(self, *args, **kwargs)
         return wrapper
 
     prompts = random_prompts([9, 23, 40])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FusedRMSNorm, "forward", counted("norm", norm_forward))
         patch.setattr(FusedMLP, "forward", counted("mlp", mlp_forward))
+        patch.setattr(FusedAttention, "forward", counted("attention", attention_forward))
         engine = make_engine(model)
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, request_id=str(index))
         outputs = run_engine(engine)
-    assert calls["norm"] > 0 and calls["mlp"] > 0
+    assert calls["norm"] > 0 and calls["mlp"] > 0 and calls["attention"] > 0
     assert all(len(outputs[str(index)].generated_tokens) == 8 for index in range(len(prompts)))
     if dtype == torch.float32:
         for index, prompt in enumerate(prompts):

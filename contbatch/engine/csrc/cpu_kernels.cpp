@@ -140,6 +140,10 @@ torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& st
                             const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
 bool has_vnni();
 
+// rope.cpp
+std::vector<torch::Tensor> rope(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& cos,
+                                const torch::Tensor& sin);
+
 // draw_rows.cpp
 std::vector<torch::Tensor> draw_rows(const torch::Tensor& scores, const torch::Tensor& uniforms);
 bool has_draw_rows();
@@ -158,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("rms_norm", &rms_norm, kNoGil, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, kNoGil, "F.silu(gate) * up (CPU, float32 or bfloat16)");
+  m.def("rope", &rope, kNoGil, "apply_rotary_pos_emb over query and key rows (CPU, float32 or bfloat16)");
   m.def("screen_quantize", &screen_quantize, kNoGil,
         "hidden rows as int8 codes + 128, with their scale and error norms");
   m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");

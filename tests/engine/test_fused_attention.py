@@ -1,0 +1,112 @@
+"""The fused rotary embedding (`rope` kernel, `FusedAttention`): bit for bit `apply_rotary_pos_emb` and the
+attention module's own forward, swapped in only where the module's forward and its rotary functions are Llama's."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama import modeling_llama
+
+from contbatch.engine.cpu_kernels import kernel_module
+from contbatch.engine.fused_modules import FusedAttention, fused_forward, is_llama_attention
+from tests.conftest import fresh_tiny_model, random_prompts
+
+pytestmark = pytest.mark.skipif(kernel_module() is None, reason="the CPU kernels are not built here")
+
+
+def _rotary(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [1, tokens, head_dim] as Llama's rotary embedding makes them (positions far apart: large angles)."""
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = (torch.arange(tokens) * 37.0)[:, None] * inverse[None]
+    table = torch.cat((angles, angles), dim=-1)[None]
+    return table.cos().to(dtype), table.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [
+    (1, 9, 3, 64), (128, 9, 3, 64), (513, 4, 2, 64), (7, 3, 1, 12), (5, 2, 2, 40), (0, 2, 1, 64),
+])
+def test_rope_kernel_is_apply_rotary_pos_emb(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int,
+                                             head_dim: int) -> None:
+    """Equal bit for bit: each product and the sum rounded as PyTorch's ops round them (a fused multiply-add
+    would differ in the last place), at widths with a vector remainder (40 in AVX-512) and without vectors (12)."""
+    generator = torch.Generator().manual_seed(tokens + head_dim)
+    queries = (torch.randn(tokens, heads * head_dim, generator=generator) * 3).to(dtype)
+    keys = (torch.randn(tokens, kv_heads * head_dim, generator=generator) * 3).to(dtype)
+    cos, sin = _rotary(tokens, head_dim, dtype)
+    want = modeling_llama.apply_rotary_pos_emb(queries.view(1, tokens, heads, head_dim).transpose(1, 2),
+                                               keys.view(1, tokens, kv_heads, head_dim).transpose(1, 2), cos, sin)
+    got = kernel_module().rope(queries, keys, cos[0].contiguous(), sin[0].contiguous())
+    assert torch.equal(got[0].view(1, tokens, heads, head_dim).transpose(1, 2), want[0])
+    assert torch.equal(got[1].view(1, tokens, kv_heads, head_dim).transpose(1, 2), want[1])
+
+
+def test_rope_kernel_refuses_bad_operands() -> None:
+    rope = kernel_module().rope
+    cos, sin = _rotary(4, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim even"):
+        rope(torch.randn(4, 14), torch.randn(4, 7), cos[0, :, :7].contiguous(), sin[0, :, :7].contiguous())
+    with pytest.raises(RuntimeError, match="rows"):
+        rope(torch.randn(4, 16).to(torch.bfloat16), torch.randn(4, 8), cos[0], sin[0])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        rope(torch.randn(4, 16).half(), torch.randn(4, 8).half(), cos[0].half(), sin[0].half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_attention_is_the_modules_forward(dtype: torch.dtype) -> None:
+    """A layer's attention (the model's own SDPA) with the fused rotary embedding: the same output, bit for bit."""
+    model = fresh_tiny_model("llama", "cpu").to(dtype)
+    attention = model.model.layers[1].self_attn
+    hidden = torch.randn(1, 37, model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    positions = torch.arange(37)[None] * 5
+    with torch.inference_mode():
+        rotary = model.model.rotary_emb(hidden, positions)
+        want, _ = attention(hidden, rotary, None)
+        got, _ = FusedAttention(attention)(hidden, rotary, None)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_a_model_forward_through_fused_attention_is_unchanged() -> None:
+    """With only the attention swapped (norms and MLPs as they are), a float32 forward's logits are the model's own
+    bit for bit."""
+    model = fresh_tiny_model("llama", "cpu")
+    ids = torch.tensor([random_prompts([40], seed=3)[0]])
+    with torch.inference_mode():
+        want = model(ids).logits
+        with fused_forward(model):
+            layers = model.model.layers
+            for layer in layers:
+                layer.input_layernorm, layer.post_attention_layernorm = (layer.input_layernorm.own,
+                                                                         layer.post_attention_layernorm.own)
+                layer.mlp = layer.mlp.own
+            model.model.norm = model.model.norm.own
+            assert all(isinstance(layer.self_attn, FusedAttention) for layer in layers)
+            got = model(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_other_rotary_functions_or_a_cache_keep_the_own_forward() -> None:
+    """A class with Llama's forward whose module rotates differently is not fused; a forward given a KV cache
+    (`generate`'s) or run with grad takes the module's own."""
+    model = fresh_tiny_model("llama", "cpu")
+    attention = model.model.layers[0].self_attn
+    assert is_llama_attention(attention)
+    forward = modeling_llama.LlamaAttention.forward
+    other = types.FunctionType(forward.__code__, {**forward.__globals__, "apply_rotary_pos_emb": lambda *a: a[:2]})
+    attention.__class__ = type("OtherAttention", (modeling_llama.LlamaAttention,), {"forward": other})
+    assert not is_llama_attention(attention)
+    attention.__class__ = modeling_llama.LlamaAttention
+    fused, calls = FusedAttention(attention), []
+    attention.register_forward_pre_hook(lambda *args: calls.append(1))
+    hidden = torch.randn(1, 6, model.config.hidden_size)
+    rotary = model.model.rotary_emb(hidden, torch.arange(6)[None])
+    fused(hidden, rotary, None)
+    assert calls == [1]
+    with torch.inference_mode():
+        fused(hidden, rotary, None, past_key_values=DynamicCache(config=model.config))
+        assert calls == [1, 1]
+        fused(hidden, rotary, None)
+    assert calls == [1, 1]
