@@ -116,8 +116,8 @@ class AttentionGroup:
         whole_batch: the group's queries are every row of the packed batch in order, unpadded (`query_rows` is
             0..rows-1): its output is the layer's, with no gather or scatter.
         row_requests: a ragged group (a varlen step's every token, `query_positions` [rows, 1]): [rows] the
-            request of each query row, whose keys it reads; None: row r is request r // num_queries's. Only
-            the Triton kernel attends a ragged group (`varlen_graphs`).
+            request of each query row, whose keys it reads; None: row r is request r // num_queries's. A kernel
+            attends a ragged group: the Triton kernel (`varlen_graphs`) or, on a CPU, the C++ kernel.
     """
 
     batch_size: int
@@ -231,8 +231,9 @@ def _attend_group(
     q = queries.contiguous() if group.whole_batch else queries.index_select(0, group.query_rows)
     kernel = _kernel_for(q, cache)
     ragged = () if group.row_requests is None else (group.row_requests,)
-    if ragged and kernel is not triton_paged_attention:
-        raise RuntimeError(f"a ragged attention group needs the Triton kernel ({KERNEL_ENV}=triton, on a GPU)")
+    if ragged and kernel is None:
+        raise RuntimeError(f"a ragged attention group needs a kernel: the Triton kernel ({KERNEL_ENV}=triton) or, "
+                           "for float32 or bfloat16 on a CPU, the C++ kernel")
     if kernel is not None:
         lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries,
                                            group.row_requests)
@@ -250,6 +251,19 @@ def _attend_group(
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
+
+
+def attends_ragged(model: torch.nn.Module, cache: PagedKVCache) -> bool:
+    """Whether steps with prompt tokens attend in one ragged group (`attention_groups.ragged_group`): where a kernel
+    attends every layer's rows, the Triton kernel where it is asked for and usable (`_kernel_for`), or on a CPU the
+    C++ kernel for a model and cache of one dtype, float32 or bfloat16. A ragged step is one kernel call a layer,
+    with no gather of query rows, scatter of outputs or padding (padded groups otherwise, `attention_group`)."""
+    device = cache.keys[0].device
+    if triton_usable_on(device):
+        return True
+    dtype = getattr(model, "dtype", None)
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cache.spec.dtype == dtype
+            and paged_decode_kernel() is not None)
 
 
 def _kernel_for(q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from transformers import CompileConfig, PreTrainedModel
 
-from contbatch.engine import triton_attention
 from contbatch.engine.attention import (
     METADATA_KWARG,
     AttentionGroup,
     PagedAttentionMetadata,
+    attends_ragged,
     paged_forward,
     register_paged_attention,
     remember_own_attention,
@@ -61,7 +61,7 @@ class ModelRunner:
     (`CompiledForward`, shared by the engines of one model); the others run eagerly.
 
     `graphs` (settings, or None) replays steps from captured graphs (`StepGraphs`), through `graph_backend` (CUDA
-    graphs by default): decode steps whose every request samples, and varlen steps where the Triton kernel
+    graphs by default): decode steps whose every request samples, and varlen steps where a kernel
     attends them in one ragged group (`ragged`).
     """
 
@@ -78,8 +78,7 @@ class ModelRunner:
         self.has_dead_blocks = any(window is not None for window in self.windows)
         self.sampler = Sampler()
         self.device = cache.keys[0].device
-        # steps with prompt tokens attend in one ragged group where the Triton kernel attends
-        self.ragged = triton_attention.usable_on(self.device)
+        self.ragged = attends_ragged(model, cache)
         self._previous_attention: str | None = None
         self._prompt_logprobs: dict[str, list[PromptLogprob]] = {}
         self.head_is_final: bool | None = None

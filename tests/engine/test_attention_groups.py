@@ -1,9 +1,11 @@
-"""How a step's multi-token requests are split into padded attention groups (CPU: padding bounded)."""
+"""How a step's multi-token requests attend: in one ragged group where a kernel attends them (the CPU kernel, the
+Triton kernel), else split into padded attention groups (CPU: padding bounded)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -54,10 +56,13 @@ def test_mixed_lengths_keep_parity() -> None:
         assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 6)
 
 
-def _groups_of_each_step(lengths: list[int]) -> list[tuple[list[int], list[bool]]]:
-    """For each step of a run on prompts of `lengths`: its requests' token counts and its groups' `whole_batch`."""
-    engine = LLMEngine(tiny_model("llama"), GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=None),
+def _groups_of_each_step(lengths: list[int], ragged: bool) -> list[tuple[list[int], list[bool]]]:
+    """For each step of a run on prompts of `lengths` (steps with prompt tokens in one ragged group or in padded
+    groups): its requests' token counts and its groups' `whole_batch`."""
+    engine = LLMEngine(tiny_model("llama", "cpu"),
+                       GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=None),
                        ContinuousBatchingConfig(block_size=8, max_batch_tokens=64))
+    engine.model_runner.ragged = ragged
     seen: list[tuple[list[int], list[bool]]] = []
     prepare = engine.model_runner.prepare
 
@@ -77,10 +82,12 @@ def _groups_of_each_step(lengths: list[int]) -> list[tuple[list[int], list[bool]
 
 
 def test_a_step_of_one_unpadded_group_attends_without_gather() -> None:
-    """Decode steps and a lone prefill form one group over the whole batch in order (`whole_batch`: the layer
-    output is the group's); a padded group does not."""
-    assert _groups_of_each_step([20, 21]) == [([20, 21], [False]), ([1, 1], [True]), ([1, 1], [True])]
-    assert _groups_of_each_step([12]) == [([12], [True]), ([1], [True]), ([1], [True])]
+    """Padded groups (where no kernel attends a ragged step): decode steps and a lone prefill form one group over
+    the whole batch in order (`whole_batch`: the layer output is the group's); a padded group does not. With the
+    CPU kernel (the default here) every step is one whole-batch group, ragged where it has prompt tokens."""
+    assert _groups_of_each_step([20, 21], False) == [([20, 21], [False]), ([1, 1], [True]), ([1, 1], [True])]
+    assert _groups_of_each_step([12], False) == [([12], [True]), ([1], [True]), ([1], [True])]
+    assert _groups_of_each_step([20, 21], True) == [([20, 21], [True]), ([1, 1], [True]), ([1, 1], [True])]
 
 
 def test_attention_output_is_contiguous_in_steps_of_several_groups(monkeypatch: Any) -> None:
@@ -88,7 +95,7 @@ def test_attention_output_is_contiguous_in_steps_of_several_groups(monkeypatch: 
     those that scatter several groups' outputs included (inductor asserts the strides). The query comes in
     contiguous as [1, heads, tokens, head_dim], as it does on a GPU (a CPU forward hands over a transposed
     view of [tokens, heads, head_dim])."""
-    from contbatch.engine import attention
+    from contbatch.engine import attention, model_runner
 
     real = attention.paged_attention_for_layer
     groups_seen: list[int] = []
@@ -101,6 +108,7 @@ def test_attention_output_is_contiguous_in_steps_of_several_groups(monkeypatch: 
         return output
 
     monkeypatch.setattr(attention, "paged_attention_for_layer", checked)
+    monkeypatch.setattr(model_runner, "attends_ragged", lambda *args: False)
     model = tiny_model("llama")
     prompts = random_prompts([3, 40, 7, 25], seed=31)
     outputs = generate_batch(model, prompts, GenerationConfig(do_sample=False, eos_token_id=None),
@@ -131,24 +139,32 @@ def test_kernel_row_ranges_are_the_masks_keys() -> None:
     assert group.layouts[1].first is not None
 
 
-def test_prefill_groups_go_through_the_cpu_kernel(monkeypatch: Any) -> None:
-    """On CPU the multi-token groups (padded ones included) attend through the kernel, with parity."""
-    from contbatch.engine import attention, cpu_kernels
+@pytest.mark.parametrize("ragged", [True, False])
+def test_prefill_groups_go_through_the_cpu_kernel(ragged: bool, monkeypatch: Any) -> None:
+    """On CPU the steps with prompt tokens attend through the kernel with parity: in one ragged call a layer (the
+    default), or in padded groups of several queries a request."""
+    from contbatch.engine import attention, cpu_kernels, model_runner
 
     kernel = cpu_kernels.paged_decode_kernel()
     assert kernel is not None
-    queries_per_request: list[int] = []
+    calls: list[tuple[int, bool]] = []
 
     def counted(*args: Any) -> torch.Tensor:
-        queries_per_request.append(args[-1])
+        calls.append((args[8], len(args) == 10))
         return kernel(*args)
 
     monkeypatch.setattr(attention, "paged_decode_kernel", lambda: counted)
+    if not ragged:
+        monkeypatch.setattr(model_runner, "attends_ragged", lambda *args: False)
     model = tiny_model("llama", "cpu")
     prompts = random_prompts([3, 40, 37, 9, 64, 2, 18], seed=11)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None)
     outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8, max_batch_tokens=96),
                              progress_bar=False)
-    assert max(queries_per_request) > 1 and min(queries_per_request) == 1
+    if ragged:
+        assert any(is_ragged for _, is_ragged in calls) and all(count == 1 for count, _ in calls)
+    else:
+        assert not any(is_ragged for _, is_ragged in calls)
+        assert max(count for count, _ in calls) > 1 and min(count for count, _ in calls) == 1
     for index, prompt in enumerate(prompts):
         assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 6)

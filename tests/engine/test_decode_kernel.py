@@ -93,6 +93,35 @@ def test_kernel_attends_prefill_rows_causally(kv_heads: int, group: int, dim: in
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 2, 24), (2, 2, 12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_attends_a_ragged_batch(kv_heads: int, group: int, dim: int, dtype: torch.dtype) -> None:
+    """Rows naming their request (`row_requests`): rows of any request in any order and number, each over its own
+    range of its request's slots (a decode row, a prefill chunk's causal rows, a window), as the reference reads
+    them with each row's request's slots; bitwise what the same rows give one request at a time."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(dim)
+    keys = (torch.randn(kv_heads, 48 * BLOCK, dim, generator=generator) * 2).to(dtype)
+    values = torch.randn(kv_heads, 48 * BLOCK, dim, generator=generator).to(dtype)
+    tables = torch.stack([torch.randperm(48, generator=generator)[:8] for _ in range(4)])
+    positions = torch.arange(8 * BLOCK)
+    slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
+    row_requests = torch.tensor([2, 0, 0, 0, 3, 1, 2, 2])
+    lengths = torch.tensor([90, 1, 2, 3, 128, 40, 91, 92])
+    first = torch.tensor([0, 0, 0, 0, 100, 0, 10, 0])
+    query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
+    got = kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, 1, row_requests)
+    expected = reference(query, keys, values, slots[row_requests], lengths, first, dim**-0.5, 0.0)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+    alone = [kernel(query[r:r + 1], keys, values, slots[int(row_requests[r])][None].contiguous(), lengths[r:r + 1],
+                    first[r:r + 1], dim**-0.5, 0.0, 1) for r in range(len(lengths))]
+    assert torch.equal(got, torch.cat(alone))
+    with pytest.raises(RuntimeError, match="row 0 names request 4 of 4"):
+        kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, 1, row_requests + 2 * (row_requests > 1))
+
+
 def test_kernel_refuses_slots_for_another_number_of_rows() -> None:
     kernel = paged_decode_kernel()
     assert kernel is not None

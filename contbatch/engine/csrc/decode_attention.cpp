@@ -271,8 +271,8 @@ static std::vector<int64_t> balanced_parts(const int64_t* length, const int64_t*
 template <typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
-                         int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request, float scale,
-                         float softcap) {
+                         int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request,
+                         const int64_t* row_requests, float scale, float softcap) {
   const int64_t group = heads / kv_heads, parts = std::max<int64_t>(1, at::get_num_threads());
   const std::vector<int64_t> bounds = balanced_parts(length, start, batch, kv_heads, parts);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
@@ -280,7 +280,8 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
     const auto make = [&](int64_t task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                     slot + b / queries_per_request * max_len, start[b], length[b], group, dim, scale, softcap,
+                     slot + (row_requests ? row_requests[b] : b / queries_per_request) * max_len, start[b],
+                     length[b], group, dim, scale, softcap,
                      out + (b * heads + h * group) * dim};
     };
     const int64_t begin = bounds[part_begin], end = bounds[part_end];
@@ -308,11 +309,14 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
 // key_cache, value_cache: [KVH, S, D] (head-major slots), float32 or bfloat16, of the query's dtype; slots: [B, L]
 // cache slot of each request's positions 0..L-1; lengths: [R] the keys each row attends to (positions below
 // lengths[r], causal prefill rows included); first: [R] each row's first visible position (sliding window). A
-// decode step is one query per request. Returns [R, H, D] in the query's dtype.
+// decode step is one query per request. `row_requests` ([R] int64), when given, names each row's request (a ragged
+// batch: any rows of any requests, a whole step in one call; `queries_per_request` is then ignored). Returns
+// [R, H, D] in the query's dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                      const torch::Tensor& value_cache, const torch::Tensor& slots,
                                      const torch::Tensor& lengths, const torch::Tensor& first, double scale,
-                                     double softcap, int64_t queries_per_request) {
+                                     double softcap, int64_t queries_per_request,
+                                     const c10::optional<torch::Tensor>& row_requests) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
@@ -320,8 +324,19 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(slots.is_contiguous() && slots.dtype() == torch::kInt64);
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
-  TORCH_CHECK(queries_per_request >= 1 && slots.size(0) * queries_per_request == batch, "slots for ", batch,
-              " query rows, ", queries_per_request, " per request, got ", slots.size(0), " rows");
+  const bool ragged = row_requests.has_value() && row_requests->defined();
+  TORCH_CHECK(slots.dim() == 2, "slots: [requests, L]");
+  TORCH_CHECK(ragged || (queries_per_request >= 1 && slots.size(0) * queries_per_request == batch), "slots for ",
+              batch, " query rows, ", queries_per_request, " per request, got ", slots.size(0), " rows");
+  const int64_t* request_of = nullptr;
+  if (ragged) {
+    TORCH_CHECK(row_requests->numel() == batch && row_requests->dtype() == torch::kInt64 &&
+                    row_requests->is_contiguous(), "row_requests: [R] contiguous int64, a request for each row");
+    request_of = row_requests->data_ptr<int64_t>();
+    for (int64_t r = 0; r < batch; ++r)
+      TORCH_CHECK(request_of[r] >= 0 && request_of[r] < slots.size(0), "row ", r, " names request ", request_of[r],
+                  " of ", slots.size(0));
+  }
   TORCH_CHECK(lengths.numel() == batch && first.numel() == batch, "a length and a first position for each row");
   TORCH_CHECK(lengths.is_contiguous() && first.is_contiguous(), "contiguous lengths and first positions");
   const torch::Tensor q32 = query.to(torch::kFloat32);
@@ -334,10 +349,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
   if (dtype == torch::kFloat32) {
     attend_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
-                 kv_heads, dim, num_slots, max_len, queries_per_request, scale32, softcap32);
+                 kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32, softcap32);
     return output;
   }
   attend_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
-               out, batch, heads, kv_heads, dim, num_slots, max_len, queries_per_request, scale32, softcap32);
+               out, batch, heads, kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32,
+               softcap32);
   return output.to(dtype);
 }
