@@ -8,35 +8,11 @@
 #include <cmath>
 #include <type_traits>
 
-#include "simd.h"
+#include "elementwise.h"
 
 namespace {
 
 constexpr int64_t kGrainElements = 16384;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// A float32 value rounded to T and widened back (a no-op for float32).
-template <typename T>
-inline float round_to(float x) { return widen(static_cast<T>(x)); }
-
-#ifdef CONTBATCH_AVX2
-#ifdef CONTBATCH_AVX512
-using Lanes = Lanes16;
-#else
-using Lanes = Lanes8;
-#endif
-
-template <typename T>
-inline Lanes::V round_to(Lanes::V v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return Lanes::round_bf16(v);
-  }
-}
-#endif
 
 template <typename T>
 float sum_of_squares(const T* x, int64_t n, int64_t& i) {

@@ -8,20 +8,11 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "simd.h"
+#include "elementwise.h"
 
 namespace {
 
 constexpr int64_t kGrainElements = 16384;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// x rounded to T and widened back (a no-op for float32).
-template <typename T>
-inline float round_to(float x) {
-  return widen(static_cast<T>(x));
-}
 
 // The value as computed, kept out of a following add: GCC would contract `a * b + c * d` into an FMA, which rounds
 // once where PyTorch's ops round twice.
@@ -41,23 +32,6 @@ inline V opaque(V v) {
 #endif
   return v;
 }
-
-#ifdef CONTBATCH_AVX2
-#ifdef CONTBATCH_AVX512
-using Lanes = Lanes16;
-#else
-using Lanes = Lanes8;
-#endif
-
-template <typename T>
-inline Lanes::V round_to(Lanes::V v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return Lanes::round_bf16(v);
-  }
-}
-#endif
 
 // y[j] = T(T(x[j] * c[j]) + T(sign * r[j] * s[j])) for j in [0, n): one half of a head's row.
 template <typename T>
