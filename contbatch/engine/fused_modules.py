@@ -175,10 +175,11 @@ class FusedAttention(_StandIn):
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         own, modules = self.own, self._modules
         input_shape, head_dim = hidden_states.shape[:-1], own.head_dim
-        cos, sin = position_embeddings if position_embeddings is not None else (hidden_states, hidden_states)
-        if not (past_key_values is None and cos.shape == sin.shape == (*input_shape, head_dim) and head_dim % 2 == 0
-                and all(_runs_fused(x, hidden_states.dtype) for x in (hidden_states, cos, sin))):
+        if position_embeddings is None or past_key_values is not None or not all(
+                x.shape == (*input_shape, head_dim) and _runs_fused(x, hidden_states.dtype)
+                for x in position_embeddings) or head_dim % 2 or not _runs_fused(hidden_states, hidden_states.dtype):
             return own(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        cos, sin = position_embeddings
         shape = (*input_shape, -1, head_dim)
         queries, keys = _rotated(modules["q_proj"](hidden_states), modules["k_proj"](hidden_states),  # type: ignore[misc]
                                  cos, sin, shape)

@@ -90,7 +90,7 @@ def test_a_model_forward_through_fused_attention_is_unchanged() -> None:
 
 def test_other_rotary_functions_or_a_cache_keep_the_own_forward() -> None:
     """A class with Llama's forward whose module rotates differently is not fused; a forward given a KV cache
-    (`generate`'s) or run with grad takes the module's own."""
+    (`generate`'s), no position embeddings, or run with grad takes the module's own."""
     model = fresh_tiny_model("llama", "cpu")
     attention = model.model.layers[0].self_attn
     assert is_llama_attention(attention)
@@ -109,4 +109,7 @@ def test_other_rotary_functions_or_a_cache_keep_the_own_forward() -> None:
         fused(hidden, rotary, None, past_key_values=DynamicCache(config=model.config))
         assert calls == [1, 1]
         fused(hidden, rotary, None)
-    assert calls == [1, 1]
+        assert calls == [1, 1]
+        with pytest.raises(TypeError):  # no position embeddings: the module's own forward, and its error
+            fused(hidden, None, None)
+    assert calls == [1, 1, 1]
