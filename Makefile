@@ -35,9 +35,9 @@ lint: $(STAMP)
 # on an AVX2 one: tests/narrower_arch.py), so that every run checks paths the native build does not take (about
 # 1.5 minutes, most of it the build, cached afterwards like the native one).
 ARCH_TESTS := tests/engine/test_cpu_arch.py tests/engine/test_decode_kernel.py tests/engine/test_panel_gemm.py \
-	tests/engine/test_head_screen.py tests/engine/test_sampler.py tests/engine/test_fused_modules.py \
-	tests/engine/test_fused_attention.py tests/engine/test_packed_weights.py tests/engine/test_bfloat16.py \
-	tests/engine/test_parity.py
+	tests/engine/test_head_screen.py tests/engine/test_sampler.py tests/engine/test_sampler_draws.py \
+	tests/engine/test_fused_modules.py tests/engine/test_fused_attention.py tests/engine/test_packed_weights.py \
+	tests/engine/test_bfloat16.py tests/engine/test_parity.py
 
 test: lint
 	$(BIN)/python -m pytest tests

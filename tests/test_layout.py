@@ -1,4 +1,5 @@
-"""The package's shape: short modules, short functions, and the import contract of pyproject.toml."""
+"""The project's shape: short files and functions (the package, its C++ kernels, the tests and the examples), and the
+import contract of pyproject.toml."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ PACKAGE = ROOT / "contbatch"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MODULES = sorted(PACKAGE.rglob("*.py"))
+SOURCES = sorted([*MODULES, *(ROOT / "tests").rglob("*.py"), *(ROOT / "examples").rglob("*.py"),
+                  *(PACKAGE / "engine" / "csrc").glob("*.[ch]*")])
+PYTHON = [path for path in SOURCES if path.suffix == ".py"]
 
 
 def _name(path: Path) -> str:
@@ -44,13 +48,18 @@ def test_the_package_has_modules() -> None:
     assert len(MODULES) > 10
 
 
-@pytest.mark.parametrize("path", MODULES, ids=_name)
-def test_module_is_short(path: Path) -> None:
+def test_the_sources_include_tests_examples_and_kernels() -> None:
+    kinds = {path.relative_to(ROOT).parts[0] for path in SOURCES} | {path.suffix for path in SOURCES}
+    assert {"contbatch", "tests", "examples", ".py", ".cpp", ".h"} <= kinds
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_name)
+def test_file_is_short(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines (at most {MAX_MODULE_LINES})"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=_name)
+@pytest.mark.parametrize("path", PYTHON, ids=_name)
 def test_functions_are_short(path: Path) -> None:
     long = [(name, lines) for name, lines in _functions(ast.parse(path.read_text(), str(path)))
             if lines > MAX_FUNCTION_LINES]
