@@ -5,7 +5,7 @@ then takes the narrowest paths already)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from contbatch.engine.cpu_kernels import _cpu_flags
 
 
 def narrower_arch(flags: set[str]) -> str:
@@ -15,13 +15,5 @@ def narrower_arch(flags: set[str]) -> str:
     return "x86-64" if {"avx2", "fma"} <= flags else ""
 
 
-def cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 if __name__ == "__main__":
-    print(narrower_arch(cpu_flags()))
+    print(narrower_arch(set(_cpu_flags().partition(":")[2].split())))

@@ -5,6 +5,9 @@
 
 #include "simd.h"
 
+// Elements a thread takes at least, in these kernels' `at::parallel_for` loops.
+constexpr int64_t kGrainElements = 16384;
+
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 

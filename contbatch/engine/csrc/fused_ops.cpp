@@ -12,8 +12,6 @@
 
 namespace {
 
-constexpr int64_t kGrainElements = 16384;
-
 template <typename T>
 float sum_of_squares(const T* x, int64_t n, int64_t& i) {
   float sum = 0.f;

@@ -12,8 +12,6 @@
 
 namespace {
 
-constexpr int64_t kGrainElements = 16384;
-
 // The value as computed, kept out of a following add: GCC would contract `a * b + c * d` into an FMA, which rounds
 // once where PyTorch's ops round twice.
 template <typename V>
