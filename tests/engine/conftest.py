@@ -13,4 +13,3 @@ def seeded_global_rng() -> Iterator[None]:
     with torch.random.fork_rng():
         torch.manual_seed(1234)
         yield
-

@@ -33,7 +33,6 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return chi2_sf(statistic, int(support.sum()) - 1)
 
 
-
 def draw_counts(logits: torch.Tensor, params: SamplingParams, draws: int = DRAWS) -> torch.Tensor:
     """Samples `draws` times from one row of logits (as a batch of identical rows) and counts each token."""
     out = Sampler().sample(logits.expand(draws, -1).contiguous(), [params] * draws, [None] * draws)
@@ -42,7 +41,6 @@ def draw_counts(logits: torch.Tensor, params: SamplingParams, draws: int = DRAWS
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
 
 
 def run_steps(

@@ -160,8 +160,6 @@ def test_logprobs_none_when_no_row_asks() -> None:
     assert out.logprobs is None
 
 
-
-
 def test_fresh_seeds_reproduce_tokens() -> None:
     logits = torch.randn(3, 100, generator=generator(7))
     params = [
@@ -190,7 +188,6 @@ def test_seeded_row_independent_of_rest_of_batch() -> None:
     params = [*others[:2], mine, *others[2:]]
     crowded = run_steps(batch, params, [None, 7, 42, None, None, 9], steps=30)[:, 2]
     assert torch.equal(alone, crowded)
-
 
 
 MODE_BATCHES = {
