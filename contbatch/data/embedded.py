@@ -4,8 +4,9 @@ De-quantizing a GGUF file takes ~15 s, so the first conversion is cached as a fl
 (config, generation config, tokenizer, chat template) that later processes load in a fraction of a second.
 
 Cache location: `$CONTBATCH_CACHE/<stem>-<key>` when `CONTBATCH_CACHE` is set, else
-`~/.cache/contbatch/<stem>-<key>`, where `<key>` hashes the GGUF file's resolved path, size and mtime and the
-transformers version (a different converter may convert differently). Nothing here ever downloads from a hub.
+`~/.cache/contbatch/<stem>-<key>`, where `<key>` hashes the GGUF file's contents and the transformers version (a
+different converter may convert differently). The key ignores where the file lies, so every virtual environment
+or clone that installs the same package shares one conversion. Nothing here ever downloads from a hub.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,12 +63,23 @@ def cache_root() -> Path:
 
 
 def converted_dir_for(gguf_path: str | Path) -> Path:
-    """Return the cache directory a GGUF file converts to (it may not exist yet); the path is deterministic."""
+    """Return the cache directory a GGUF file converts to (it may not exist yet).
+
+    The directory depends only on the file's name, its contents and the transformers version: two copies of one
+    file, wherever they lie, share it, and a file whose contents change gets a new one.
+    """
     path = Path(gguf_path).resolve()
     stat = path.stat()
-    fingerprint = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
-    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    digest = _content_digest(str(path), stat.st_size, stat.st_mtime_ns)
+    key = hashlib.sha256(f"{digest}\0{transformers.__version__}".encode()).hexdigest()[:16]
     return cache_root() / f"{path.stem}-{key}"
+
+
+@lru_cache(maxsize=16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """Return the SHA-256 of the file at `path`; `size` and `mtime_ns` only key the in-process memo."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def ensure_converted(gguf_path: str | Path) -> Path:

@@ -103,6 +103,19 @@ def test_explicit_gguf_and_directory_paths_load(first_load: Loaded) -> None:
     assert tokenizer.eos_token == "<|im_end|>"
 
 
+def test_cache_directory_follows_contents_not_location(tmp_path: Path) -> None:
+    first, second, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((first, b"GGUF same"), (second, b"GGUF same"), (other, b"GGUF diff")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert embedded.converted_dir_for(first) == embedded.converted_dir_for(second)
+    assert embedded.converted_dir_for(first) != embedded.converted_dir_for(other)
+    assert embedded.converted_dir_for(first).parent == embedded.cache_root()
+    second.write_bytes(b"GGUF edited")
+    assert embedded.converted_dir_for(second) == embedded.converted_dir_for(second)
+    assert embedded.converted_dir_for(second) != embedded.converted_dir_for(first)
+
+
 def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "model.gguf"
     with pytest.raises(FileNotFoundError, match="nope"):
