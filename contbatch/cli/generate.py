@@ -27,6 +27,14 @@ def add_arguments(generate: argparse.ArgumentParser) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=256)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 means greedy decoding")
     generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0: all; "
+                          "default: as `generate` resolves it)")
+    generate.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p times the likeliest's "
+                          "probability")
+    generate.add_argument("--repetition-penalty", type=float, default=None, help="`generate`'s repetition penalty "
+                          "(greedy decoding too)")
+    generate.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end a completion before "
+                          "this text (repeatable)")
     generate.add_argument("--seed", type=int, default=None, help="seed each record's sampling from this and its id")
     generate.add_argument("--n", type=int, default=1, help="samples per prompt")
     generate.add_argument("--max-prompt-tokens", type=int, default=None, help="fail prompts longer than this")
@@ -53,7 +61,9 @@ def job_parts(args: argparse.Namespace) -> tuple[JobInput, JobSettings]:
     settings = JobSettings(model=args.model or "SmolLM2-135M-Instruct", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, seed=args.seed, n=args.n,
                            chat_template=not args.no_chat_template, max_prompt_tokens=args.max_prompt_tokens,
-                           max_in_flight=args.max_in_flight, id_field=args.id_field, text_field=args.field)
+                           max_in_flight=args.max_in_flight, id_field=args.id_field, text_field=args.field,
+                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                           stop=tuple(args.stop))
     return job_input, settings
 
 

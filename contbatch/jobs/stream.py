@@ -11,6 +11,7 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.data.prompts import as_token_ids
+from contbatch.engine.sampling_params import SamplingParams
 from contbatch.jobs.items import JobItem
 from contbatch.jobs.records import error_record, result_record
 from contbatch.manager import ContinuousBatchingManager
@@ -25,7 +26,10 @@ class JobSettings:
     id, so a resumed run samples what an uninterrupted one would. `chat_template`: text prompts become one user
     turn of the tokenizer's chat template (plain tokenization without one). `max_prompt_tokens` fails longer
     prompts. `max_in_flight` bounds the items submitted and not yet finished. `id_field` names the input's id
-    (None: the record's position). `model` names the model in the settings record and OpenAI responses."""
+    (None: the record's position). `model` names the model in the settings record and OpenAI responses.
+    `top_k`, `min_p` and `repetition_penalty` apply when set (None: as `generate` resolves them); `stop` strings
+    end a completion before them. An item's own sampling fields (OpenAI batch lines) override all of these.
+    Raises ValueError naming a bad value."""
 
     model: str
     max_new_tokens: int = 256
@@ -38,15 +42,37 @@ class JobSettings:
     max_in_flight: int = 256
     id_field: str | None = None
     text_field: str = "question"
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.stop if not isinstance(s, str) or not s]
+        if bad:
+            raise ValueError(f"stop strings must be non-empty strings, got {bad[0]!r}")
+        sampling = {k: v for k, v in self.sampling().items() if k != "stop"}
+        temperature = sampling.pop("temperature")
+        if temperature:
+            sampling.update(do_sample=True, temperature=temperature)
+        SamplingParams.from_generation_config(None, max_new_tokens=self.max_new_tokens, **sampling)
+
+    def sampling(self) -> dict[str, Any]:
+        """The job's sampling arguments of `add_request`, before an item's own: the fields that are set."""
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                 "repetition_penalty": self.repetition_penalty, "stop": list(self.stop) or None}
+        return {key: value for key, value in given.items() if value is not None}
 
     def record(self, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-        """The settings an existing output must have been made with to be resumed (the chat template by hash)."""
+        """The settings an existing output must have been made with to be resumed (the chat template by hash).
+        A field an older output did not record reads as None there, which is its unset value here."""
         template = getattr(tokenizer, "chat_template", None) if self.chat_template else None
         digest = None if template is None else zlib.crc32(str(template).encode())
         return {"model": self.model, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "n": self.n, "chat_template": digest,
                 "max_prompt_tokens": self.max_prompt_tokens, "id_field": self.id_field,
-                "text_field": self.text_field}
+                "text_field": self.text_field, "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty, "stop": list(self.stop) or None}
 
 
 @dataclass
@@ -142,7 +168,7 @@ class RecordStream:
     def _sampling(self, item: JobItem) -> dict[str, Any]:
         """`add_request`'s keyword arguments for `item`: the job's settings, overridden by the item's own."""
         merged: dict[str, Any] = {"max_new_tokens": self.settings.max_new_tokens, "n": self.settings.n,
-                                  "temperature": self.settings.temperature, "top_p": self.settings.top_p}
+                                  **self.settings.sampling()}
         merged.update(item.sampling)
         if merged.get("seed") is None and self.settings.seed is not None:
             merged["seed"] = (self.settings.seed + zlib.crc32(item.key.encode())) % (2**31)
@@ -151,8 +177,8 @@ class RecordStream:
         if temperature:
             merged["temperature"] = temperature
         else:
-            merged.pop("top_p", None)
-            merged.pop("seed", None)
+            for name in ("top_p", "top_k", "min_p", "seed"):
+                merged.pop(name, None)
         stop = merged.pop("stop", None)
         if stop:
             merged.update(stop=[stop] if isinstance(stop, str) else list(stop), detokenize=True)
