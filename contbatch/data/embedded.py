@@ -11,6 +11,7 @@ or clone that installs the same package shares one conversion. Nothing here ever
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import os
@@ -91,6 +92,8 @@ def ensure_converted(gguf_path: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: `gguf_path` does not exist.
+        RuntimeError: the cache's disk filled up during the conversion (nothing of it is left behind); the
+            message names the directory, its free space and `CONTBATCH_CACHE`.
     """
     gguf = Path(gguf_path)
     if not gguf.is_file():
@@ -103,7 +106,17 @@ def ensure_converted(gguf_path: str | Path) -> Path:
     # mkdtemp makes the directory owner-only; the cache is as readable as a normal directory.
     tmp.chmod(0o755)
     try:
-        _convert_gguf_into(gguf, tmp)
+        try:
+            _convert_gguf_into(gguf, tmp)
+        except Exception as error:
+            if _out_of_space(error):
+                shutil.rmtree(tmp, ignore_errors=True)
+                free = shutil.disk_usage(target.parent).free / 2**30
+                raise RuntimeError(
+                    f"converting {gguf.name} ran out of disk space in {target.parent} ({free:.1f} GiB free now; "
+                    f"the float32 checkpoint takes several times the GGUF file's {gguf.stat().st_size / 2**20:.0f} "
+                    f"MiB). Free space there or set {CACHE_ENV_VAR} to a directory with room.") from error
+            raise
         try:
             tmp.rename(target)
         except OSError:
@@ -113,6 +126,14 @@ def ensure_converted(gguf_path: str | Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether `error` says the disk is full: an OSError with ENOSPC, or safetensors' own error, which carries
+    only the operating system's message."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(error)
 
 
 def _convert_gguf_into(gguf: Path, out_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -114,6 +115,42 @@ def test_cache_directory_follows_contents_not_location(tmp_path: Path) -> None:
     second.write_bytes(b"GGUF edited")
     assert embedded.converted_dir_for(second) == embedded.converted_dir_for(second)
     assert embedded.converted_dir_for(second) != embedded.converted_dir_for(first)
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+])
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          error: Exception) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(embedded.CACHE_ENV_VAR, str(cache))
+
+    def fill_then_fail(source: Path, out_dir: Path) -> None:
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise error
+
+    monkeypatch.setattr(embedded, "_convert_gguf_into", fill_then_fail)
+    with pytest.raises(RuntimeError, match=r"ran out of disk space in .*cache.*CONTBATCH_CACHE") as info:
+        embedded.ensure_converted(gguf)
+    assert info.value.__cause__ is error
+    assert list(cache.iterdir()) == []
+
+
+def test_other_conversion_errors_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv(embedded.CACHE_ENV_VAR, str(tmp_path / "cache"))
+
+    def fail(source: Path, out_dir: Path) -> None:
+        raise ValueError("unsupported GGUF architecture")
+
+    monkeypatch.setattr(embedded, "_convert_gguf_into", fail)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture"):
+        embedded.ensure_converted(gguf)
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
