@@ -112,8 +112,9 @@ def test_cache_directory_follows_contents_not_location(tmp_path: Path) -> None:
     assert embedded.converted_dir_for(first) == embedded.converted_dir_for(second)
     assert embedded.converted_dir_for(first) != embedded.converted_dir_for(other)
     assert embedded.converted_dir_for(first).parent == embedded.cache_root()
+    before = embedded.converted_dir_for(second)
     second.write_bytes(b"GGUF edited")
-    assert embedded.converted_dir_for(second) == embedded.converted_dir_for(second)
+    assert embedded.converted_dir_for(second) != before
     assert embedded.converted_dir_for(second) != embedded.converted_dir_for(first)
 
 
