@@ -137,11 +137,15 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT
 
 @contextmanager
 def server_process(spec: PeerSpec, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `spec.command` with its output in `log_path`; it is stopped on exit, whatever the exit."""
+    """Run `spec.command` with its output in `log_path`; it is stopped on exit, whatever the exit. A vLLM server
+    makes its IPC sockets in `log_path`'s directory (`vllm_peer.RPC_DIR_ENV`), so they go when that does."""
+    from contbatch.bench.vllm_peer import RPC_DIR_ENV
+
+    env = {**spec.env, RPC_DIR_ENV: str(log_path.parent)}
     with open(log_path, "wb") as log:
         # A session of its own: Ctrl-C reaches only us, and stop_process can signal the server's whole group.
         process = subprocess.Popen(spec.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   env=spec.env, start_new_session=True)
+                                   env=env, start_new_session=True)
         try:
             yield process
         finally:

@@ -54,6 +54,10 @@ reload under torch 2.13 ("'function' object has no attribute 'finalize_loading'"
 generate speed. `VLLM_LOGGING_LEVEL=WARNING` only quiets the log.
 """
 
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM makes its ZeroMQ IPC sockets (default: the system's temporary directory, where they outlive the
+run). Every vLLM peer process gets a temporary directory of its own here, removed when the process ends."""
+
 _LOG_TAIL_CHARS = 4000
 
 
@@ -183,6 +187,7 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
     with tempfile.TemporaryDirectory(prefix="contbatch-vllm-") as tmp:
         request_path, result_path, log_path = (Path(tmp) / name for name in ("request.json", "result.json", "log"))
         request_path.write_text(json.dumps(request))
+        env[RPC_DIR_ENV] = tmp
         command = [str(interpreter), str(runner), str(request_path), str(result_path)]
         with log_path.open("w") as log:
             try:

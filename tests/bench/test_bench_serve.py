@@ -10,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from contbatch.bench.serve import (
     percentile,
     poisson_schedule,
 )
+from contbatch.bench.serve_peers import PeerSpec
 from contbatch.cli import build_parser
 from contbatch.cli.common import engine_config, model_dtype
 from contbatch.cli.serve import serve_config
@@ -239,6 +241,19 @@ def test_stop_process_kills_a_server_that_ignores_sigterm() -> None:
     bench_serve.stop_process(process, timeout=0.5)
     assert process.returncode == -9
     process.stdout.close()
+
+
+def test_a_server_makes_its_ipc_sockets_beside_its_log(tmp_path: Path) -> None:
+    code = "import os, socket, time; s = socket.socket(socket.AF_UNIX); " \
+           "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'ipc')); print('bound', flush=True); time.sleep(60)"
+    spec = PeerSpec("vllm", [sys.executable, "-c", code], {"PATH": "/usr/bin"}, "m")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with bench_serve.server_process(spec, logs / "vllm.log") as process:
+        while b"bound" not in (logs / "vllm.log").read_bytes():
+            assert process.poll() is None, (logs / "vllm.log").read_text()
+            time.sleep(0.01)
+    assert (logs / "ipc").is_socket() and process.returncode is not None
 
 
 def test_wait_ready_reports_a_server_that_exits() -> None:

@@ -162,6 +162,8 @@ def test_run_vllm_through_a_fake_runner(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert seen["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "PYTHONPATH" not in seen
     assert seen["request"]["prompts"] == PROMPTS and seen["request"]["kv_cache_gib"] == vllm_peer.KV_CACHE_GIB
     assert run.env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_peer.KV_CACHE_GIB)
+    sockets = Path(seen["VLLM_RPC_BASE_PATH"])
+    assert sockets.name.startswith("contbatch-vllm-") and not sockets.exists()
     line = settings_line(run)
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in line and "vllm fake" in line and "VLLM_LOGGING_LEVEL" not in line
 
