@@ -4,6 +4,7 @@ the head's output as their logits."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -59,6 +60,27 @@ def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int) -> None
     tied = exact[:, 7] >= exact.amax(dim=1) - 1e-4
     assert tied.sum() > 5
     assert set(tokens[tied].tolist()) <= {7, 12}
+
+
+def test_a_large_product_goes_into_one_reused_buffer_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above `REUSED_OUTPUT_BYTES` the int8 product is computed into the thread's buffer, reused by later products
+    of any size up to it, and the tokens are those of a fresh product: nothing of an earlier product remains."""
+    weight, hidden = _head_and_hidden(1003, 72, 64)
+    screen = build_screen(weight)
+    assert screen is not None
+    fresh = [screen_tokens(rows, weight, screen) for rows in (hidden, hidden[:20].contiguous(), hidden[40:])]
+    monkeypatch.setattr(head_screen, "REUSED_OUTPUT_BYTES", 1003 * 4 * 8)  # more than 8 rows' product
+    assert head_screen._reused_out(8, 1003) is None
+    buffers = []
+    for rows, expected in zip((hidden, hidden[:20].contiguous(), hidden[40:]), fresh, strict=True):
+        assert torch.equal(screen_tokens(rows, weight, screen), expected)
+        buffers.append(head_screen._local.product_buffer)
+    assert buffers[0] is buffers[1] is buffers[2] and buffers[0].numel() == 64 * 1003
+    other: list[torch.Tensor | None] = []
+    thread = threading.Thread(target=lambda: other.append(head_screen._reused_out(30, 1003)))
+    thread.start()
+    thread.join()
+    assert other[0] is not None and other[0].data_ptr() != buffers[0].data_ptr()
 
 
 def test_a_row_that_is_not_finite_gets_no_token() -> None:
