@@ -33,13 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from contbatch.engine import head_buffer
 from contbatch.engine.batch import SamplingTarget
 from contbatch.engine.cpu_kernels import kernel_module
 
 logger = logging.getLogger(__name__)
 _EPS32 = 2.0**-24
-REUSED_OUTPUT_BYTES = 32 << 20
-"""glibc's largest mmap threshold on 64-bit: an allocation above it is always a fresh mapping (`_int8_product`)."""
 _local = threading.local()
 _screens: dict[int, HeadScreen | None] = {}
 
@@ -145,7 +144,7 @@ def screen_tokens(hidden: torch.Tensor, weight: torch.Tensor, screen: HeadScreen
     `weight` [V, K], -1 for a row that is not finite."""
     module = kernel_module()
     codes, stats = module.screen_quantize(hidden)
-    scaled = _int8_product(codes, screen, _reused_out(codes.shape[0], screen.scales.shape[0]))
+    scaled = _int8_product(codes, screen, head_buffer.buffer(codes.shape[0], screen.scales.shape[0]))
     return module.screen_tokens(scaled, stats, screen.a, screen.c, hidden, weight.contiguous())
 
 
@@ -158,22 +157,6 @@ def _int8_product(codes: torch.Tensor, screen: HeadScreen, out: torch.Tensor | N
     return torch.ops.onednn.qlinear_pointwise.binary(codes, 1.0, 128, screen.packed, screen.scales,
                                                      screen.zero_points, out.zero_(), None, 1.0, 0, torch.float32,
                                                      1.0, 0, "sum", 1.0, "none", [], "")
-
-
-def _reused_out(rows: int, vocab: int) -> torch.Tensor | None:
-    """This thread's reused [rows, vocab] float32 buffer for a product larger than `REUSED_OUTPUT_BYTES` (the next
-    such product on the thread overwrites it), else None.
-
-    A fresh tensor of that size is mapped anew by glibc on every call, and its first write faults every page:
-    about 19,000 faults for 128 rows of a 151,936-token vocabulary, which took 34 ms a product against 25 ms in
-    the buffer, zeroing included, and 25 ms against 12 ms for 256 rows of the embedded model's 49,152 on a Zen 5
-    (docs/performance.md, "a thirty-second session")."""
-    if rows * vocab * 4 <= REUSED_OUTPUT_BYTES:
-        return None
-    buffer: torch.Tensor | None = getattr(_local, "product_buffer", None)
-    if buffer is None or buffer.numel() < rows * vocab:
-        buffer = _local.product_buffer = torch.empty(rows * vocab)
-    return buffer[:rows * vocab].view(rows, vocab)
 
 
 def build_screen(weight: torch.Tensor) -> HeadScreen | None:
@@ -209,7 +192,7 @@ def _products_exact(screen: HeadScreen, int8: torch.Tensor) -> bool:
     """Whether oneDNN's product of the packed weight gives s_j (q_j . p) to float32 rounding, for the extreme codes
     (every p = 127, every p = -127, alternating) and random ones: int8 products that saturate an int16 sum (older
     instructions) or lose the zero point would fail. Checked both into a fresh tensor and into a used one, as
-    `_reused_out` gives (its earlier contents, here 7s, must not remain)."""
+    `head_buffer.buffer` gives (its earlier contents, here 7s, must not remain)."""
     rows = 64
     k = int8.shape[1]
     codes = torch.stack([torch.full((k,), 127), torch.full((k,), -127), (torch.arange(k) % 2) * 254 - 127,

@@ -32,6 +32,7 @@ from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, s
 from contbatch.engine.compile_padding import pad_for_compile
 from contbatch.engine.cuda_graphs import CudaGraphBackend, Forward, GraphBackend, GraphSettings, StepGraphs
 from contbatch.engine.fused_modules import fused_forward
+from contbatch.engine.head_buffer import reusing_logits
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
@@ -152,12 +153,13 @@ class ModelRunner:
     def _forward(self, path: str, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata) -> torch.Tensor:
         """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
         weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs
-        them itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`)."""
+        them itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`), and in the
+        engine's steps (`screen_allowed`) may leave large logits in the thread's reused buffer (`reusing_logits`)."""
         compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
         frozen = compiled is not None and compiled.freezes_weights
         fused = compiled is None and self.device.type == "cpu"
         with (paged_forward(), nullcontext() if frozen else packed_forward(self.model),
-              fused_forward(self.model) if fused else nullcontext()):
+              fused_forward(self.model) if fused else nullcontext(), reusing_logits(fused and screen_allowed())):
             if compiled is not None:
                 with step_metadata(metadata):
                     output = compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})

@@ -56,12 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contbatch.engine import head_buffer
 from contbatch.engine.cpu_kernels import pack_panels, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_screen import forget as forget_screen
 from contbatch.engine.head_screen import note_head_output, screened_product
 from contbatch.engine.ops import define_op
 
 LAYER_MAX_ROWS = 256
+HEAD_CHUNK_MIN_ROWS = 128
 LAYER_MEMORY_SHARE = 0.1
 PLAN_ATTRIBUTE = "_contbatch_packed_plan"
 _handles = itertools.count()
@@ -80,12 +82,14 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if handle in _heads:
         screened = screened_product(x, weight, handle)
         return screened if screened is not None else note_head_output(_product(x, weight, bias, handle, max_rows,
-                                                                                 panels))
+                                                                                 panels, head=True))
     return _product(x, weight, bias, handle, max_rows, panels)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, max_rows: int,
-             panels: bool) -> torch.Tensor:
+             panels: bool, head: bool = False) -> torch.Tensor:
+    """The product of `packed_product`; a `head`'s through oneDNN in chunks into the thread's buffer where that
+    pays (`_chunked_head`)."""
     rows = math.prod(x.shape[:-1])
     if max_rows and rows > max_rows:
         return F.linear(x, weight, bias)
@@ -94,7 +98,31 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
         out = gemm(x.reshape(rows, x.shape[-1]).contiguous(), _packed[handle], weight.shape[0],
                    None if bias is None else bias.contiguous())
         return out.view(*x.shape[:-1], weight.shape[0])
+    if head and (chunked := _chunked_head(x.reshape(rows, x.shape[-1]), _packed[handle], bias,
+                                          weight.shape[0])) is not None:
+        return chunked.view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed[handle], bias, "none", [], "")
+
+
+def _chunked_head(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """oneDNN's head product of `x` [rows, K] in `head_buffer.logits_buffer`, in chunks of rows whose own outputs
+    stay under `head_buffer.REUSED_OUTPUT_BYTES` (so glibc reuses their memory instead of mapping it anew), each
+    copied into the buffer; None (not computed) where there is no buffer, or where a chunk would be under
+    `HEAD_CHUNK_MIN_ROWS` rows.
+
+    512 rows of the embedded model's head (a prompt-logprobs step) took 65 ms so against 81 ms as one product, on
+    a Zen 5; but 128 rows of a 151,936-token head, in chunks of 55, made sampled decode steps 3% slower: each chunk
+    reads the whole weight again (docs/performance.md, "a thirty-second session"). A row's values are those of one
+    product where oneDNN blocks k alike for fewer rows (the embedded model's head, Qwen2's); elsewhere they may
+    differ in the last bits, as between batches of other sizes."""
+    step = head_buffer.REUSED_OUTPUT_BYTES // (vocab * x.element_size())
+    out = head_buffer.logits_buffer(x.shape[0], vocab, x.dtype) if step >= HEAD_CHUNK_MIN_ROWS else None
+    if out is None:
+        return None
+    for start in range(0, x.shape[0], step):
+        rows = x[start:start + step].contiguous()
+        out[start:start + step].copy_(torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""))
+    return out
 
 
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,

@@ -4,13 +4,12 @@ the head's output as their logits."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from contbatch.engine import head_screen
+from contbatch.engine import head_buffer, head_screen
 from contbatch.engine.head_screen import build_screen, screen_supported, screen_tokens
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -62,25 +61,21 @@ def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int) -> None
     assert set(tokens[tied].tolist()) <= {7, 12}
 
 
-def test_a_large_product_goes_into_one_reused_buffer_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above `REUSED_OUTPUT_BYTES` the int8 product is computed into the thread's buffer, reused by later products
-    of any size up to it, and the tokens are those of a fresh product: nothing of an earlier product remains."""
+def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above `REUSED_OUTPUT_BYTES` the int8 product is computed into the thread's buffer (`head_buffer`), reused by
+    later products of any size up to it, and the tokens are those of a fresh product: nothing of an earlier
+    product remains."""
     weight, hidden = _head_and_hidden(1003, 72, 64)
     screen = build_screen(weight)
     assert screen is not None
-    fresh = [screen_tokens(rows, weight, screen) for rows in (hidden, hidden[:20].contiguous(), hidden[40:])]
-    monkeypatch.setattr(head_screen, "REUSED_OUTPUT_BYTES", 1003 * 4 * 8)  # more than 8 rows' product
-    assert head_screen._reused_out(8, 1003) is None
-    buffers = []
-    for rows, expected in zip((hidden, hidden[:20].contiguous(), hidden[40:]), fresh, strict=True):
+    batches = (hidden, hidden[:20].contiguous(), hidden[40:])
+    fresh = [screen_tokens(rows, weight, screen) for rows in batches]
+    monkeypatch.setattr(head_buffer, "REUSED_OUTPUT_BYTES", 1003 * 4 * 8)  # more than 8 rows' product
+    storages = []
+    for rows, expected in zip(batches, fresh, strict=True):
         assert torch.equal(screen_tokens(rows, weight, screen), expected)
-        buffers.append(head_screen._local.product_buffer)
-    assert buffers[0] is buffers[1] is buffers[2] and buffers[0].numel() == 64 * 1003
-    other: list[torch.Tensor | None] = []
-    thread = threading.Thread(target=lambda: other.append(head_screen._reused_out(30, 1003)))
-    thread.start()
-    thread.join()
-    assert other[0] is not None and other[0].data_ptr() != buffers[0].data_ptr()
+        storages.append(head_buffer._local.storage)
+    assert storages[0] is storages[1] is storages[2] and storages[0].numel() == 64 * 1003 * 4
 
 
 def test_a_row_that_is_not_finite_gets_no_token() -> None:
