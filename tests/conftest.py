@@ -22,6 +22,7 @@ from transformers import (
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
+    Qwen2Config,
     Qwen3Config,
 )
 
@@ -35,6 +36,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atte
 
 TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": lambda: LlamaConfig(num_hidden_layers=2, **_COMMON),
+    "qwen2": lambda: Qwen2Config(num_hidden_layers=2, **_COMMON),
     "qwen3": lambda: Qwen3Config(num_hidden_layers=2, head_dim=16, **_COMMON),
     "mistral-sliding": lambda: MistralConfig(num_hidden_layers=2, sliding_window=7, **_COMMON),
     "gemma3-hybrid": lambda: Gemma3TextConfig(

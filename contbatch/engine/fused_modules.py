@@ -9,12 +9,12 @@ and 17 us (8 and 27 in bfloat16) on a Zen 5 (docs/performance.md, "a twenty-thir
 `fused_forward(model)` puts a `FusedRMSNorm` in the place of each module whose `forward` is transformers'
 `LlamaRMSNorm.forward` (the same code object, or the same bytecode, constants and names: the models that copy it,
 Qwen2, Qwen3, Mistral and others), a `FusedMLP` in the place of each whose `forward` is `LlamaMLP.forward` with
-a SiLU `act_fn`, and a `FusedAttention` in the place of each whose `forward` is `LlamaAttention.forward` with
-Llama's rotary functions (its rotary embedding, ten ATen ops over the query and key rows, in one pass of `rope`:
-59 -> 8 us a layer at 128 rows, 1.15 ms -> 24 us at 512), for the duration of one eager forward, and gives the
-model its own modules back afterwards. A module with hooks keeps its own forward. A fused module shares its
-module's parameters and children under the same names (`_StandIn`), so the model's tree looks the same to other
-threads meanwhile.
+a SiLU `act_fn`, and a `FusedAttention` in the place of each whose `forward` is `LlamaAttention.forward` (or
+Qwen2's or Mistral's, which pass a window) with Llama's rotary functions (its rotary embedding, ten ATen ops over
+the query and key rows, in one pass of `rope`: 59 -> 8 us a layer at 128 rows, 1.15 ms -> 24 us at 512), for the
+duration of one eager forward, and gives the model its own modules back afterwards. A module with hooks keeps its
+own forward. A fused module shares its module's parameters and children under the same names (`_StandIn`), so the
+model's tree looks the same to other threads meanwhile.
 
 The fused modules compute what the model's own do, in float32 and rounded to the input's dtype at the same points:
 the norm's sum of squares runs in another order and the SiLU's exp is a polynomial, so the results may differ from
@@ -40,6 +40,8 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 from contbatch.engine.cpu_kernels import kernel_module
 
@@ -81,13 +83,28 @@ def is_llama_mlp(module: nn.Module) -> bool:
             and _unhooked(module) and act is not None and _unhooked(act))
 
 
-def is_llama_attention(module: nn.Module) -> bool:
-    """Whether `module` computes `LlamaAttention`'s forward: its class's `forward` is that code, and the
-    `apply_rotary_pos_emb` and `rotate_half` it calls (its module's) are Llama's code too; no hooks."""
+_ATTENTION_FORWARDS: tuple[tuple[Callable[..., Any], Callable[[nn.Module], dict[str, Any]]], ...] = (
+    (LlamaAttention.forward, lambda own: {}),
+    (Qwen2Attention.forward, lambda own: {"sliding_window": own.sliding_window}),
+    (MistralAttention.forward, lambda own: {"sliding_window": getattr(own.config, "sliding_window", None)}),
+)
+"""The attention forwards `FusedAttention` computes, each with the extra arguments it gives the attention function
+(Qwen2 and Mistral pass a window; their code is otherwise Llama's)."""
+
+
+def _attention_arguments(module: nn.Module) -> Callable[[nn.Module], dict[str, Any]] | None:
+    """The extra arguments of `module`'s attention forward (`_ATTENTION_FORWARDS`), or None when it is none of them."""
     forward = type(module).forward
-    if not (_same_code(forward, LlamaAttention.forward) and _unhooked(module)):
+    return next((arguments for reference, arguments in _ATTENTION_FORWARDS if _same_code(forward, reference)), None)
+
+
+def is_llama_attention(module: nn.Module) -> bool:
+    """Whether `module` computes `LlamaAttention`'s forward, or Qwen2's or Mistral's (Llama's with a window): its
+    class's `forward` is that code, and the `apply_rotary_pos_emb` and `rotate_half` it calls (its module's) are
+    Llama's code too; no hooks."""
+    if _attention_arguments(module) is None or not _unhooked(module):
         return False
-    names = getattr(forward, "__globals__", {})
+    names = getattr(type(module).forward, "__globals__", {})
     return (_same_code(names.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
             and _same_code(names.get("rotate_half"), modeling_llama.rotate_half))
 
@@ -161,11 +178,11 @@ class FusedMLP(_StandIn):
 
 
 class FusedAttention(_StandIn):
-    """Stands for a `LlamaAttention`-like module (`is_llama_attention`) inside contbatch's eager forwards: its own
-    forward's steps, through its projections (its own, or those another swap put in) and the attention function
-    its config names, with the rotary embedding of the query and key rows in one pass of the `rope` kernel, bit for
-    bit what `apply_rotary_pos_emb` computes, where `_runs_fused` holds and the cos/sin rows match the tokens;
-    else the module's own forward."""
+    """Stands for a `LlamaAttention`-like module (`is_llama_attention`: Llama's, Qwen2's or Mistral's forward)
+    inside contbatch's eager forwards: its own forward's steps, through its projections (its own, or those another
+    swap put in) and the attention function its config names, with the rotary embedding of the query and key rows
+    in one pass of the `rope` kernel, bit for bit what `apply_rotary_pos_emb` computes, where `_runs_fused` holds
+    and the cos/sin rows match the tokens; else the module's own forward."""
 
     def stands_for(self, own: nn.Module) -> bool:
         return own is self.own and is_llama_attention(own)
@@ -184,11 +201,12 @@ class FusedAttention(_StandIn):
         queries, keys = _rotated(modules["q_proj"](hidden_states), modules["k_proj"](hidden_states),  # type: ignore[misc]
                                  cos, sin, shape)
         values = modules["v_proj"](hidden_states).view(shape).transpose(1, 2)  # type: ignore[misc]
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(own.config._attn_implementation,
-                                                          modeling_llama.eager_attention_forward)
+        eager = type(own).forward.__globals__.get("eager_attention_forward", modeling_llama.eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(own.config._attn_implementation, eager)
+        arguments = _attention_arguments(own)
         output, weights = attention(own, queries, keys, values, attention_mask,
                                     dropout=0.0 if not own.training else own.attention_dropout, scaling=own.scaling,
-                                    **kwargs)
+                                    **(arguments(own) if arguments is not None else {}), **kwargs)
         return modules["o_proj"](output.reshape(*input_shape, -1).contiguous()), weights  # type: ignore[misc]
 
 

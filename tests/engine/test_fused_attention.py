@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 
 from contbatch.engine.cpu_kernels import kernel_module
@@ -55,10 +56,11 @@ def test_rope_kernel_refuses_bad_operands() -> None:
         rope(torch.randn(4, 16).half(), torch.randn(4, 8).half(), cos[0].half(), sin[0].half())
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_attention_is_the_modules_forward(dtype: torch.dtype) -> None:
+def test_fused_attention_is_the_modules_forward(name: str, dtype: torch.dtype) -> None:
     """A layer's attention (the model's own SDPA) with the fused rotary embedding: the same output, bit for bit."""
-    model = fresh_tiny_model("llama", "cpu").to(dtype)
+    model = fresh_tiny_model(name, "cpu").to(dtype)
     attention = model.model.layers[1].self_attn
     hidden = torch.randn(1, 37, model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
     positions = torch.arange(37)[None] * 5
@@ -69,10 +71,11 @@ def test_fused_attention_is_the_modules_forward(dtype: torch.dtype) -> None:
     assert got.dtype == dtype and torch.equal(got, want)
 
 
-def test_a_model_forward_through_fused_attention_is_unchanged() -> None:
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
+def test_a_model_forward_through_fused_attention_is_unchanged(name: str) -> None:
     """With only the attention swapped (norms and MLPs as they are), a float32 forward's logits are the model's own
     bit for bit."""
-    model = fresh_tiny_model("llama", "cpu")
+    model = fresh_tiny_model(name, "cpu")
     ids = torch.tensor([random_prompts([40], seed=3)[0]])
     with torch.inference_mode():
         want = model(ids).logits
@@ -113,3 +116,26 @@ def test_other_rotary_functions_or_a_cache_keep_the_own_forward() -> None:
         with pytest.raises(TypeError):  # no position embeddings: the module's own forward, and its error
             fused(hidden, None, None)
     assert calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
+def test_the_attention_function_gets_the_modules_own_arguments(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention function receives what the module's own forward gives it: Qwen2's and Mistral's window too."""
+    model = fresh_tiny_model(name, "cpu")
+    attention = model.model.layers[0].self_attn
+    if name == "qwen2":
+        attention.sliding_window = 5
+    calls: list[dict[str, object]] = []
+
+    def recording(module: torch.nn.Module, query: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+        calls.append(kwargs)
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(ALL_ATTENTION_FUNCTIONS, "get_interface", lambda name, default: recording)
+    hidden = torch.randn(1, 6, model.config.hidden_size)
+    with torch.inference_mode():
+        rotary = model.model.rotary_emb(hidden, torch.arange(6)[None])
+        attention(hidden, rotary, None, marker=3)
+        FusedAttention(attention)(hidden, rotary, None, marker=3)
+    assert calls[0] == calls[1] and calls[1]["marker"] == 3
+    assert calls[1].get("sliding_window") == {"llama": None, "qwen2": 5, "mistral-sliding": 7}[name]

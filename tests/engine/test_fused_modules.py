@@ -78,13 +78,13 @@ def test_kernels_refuse_bad_operands() -> None:
 
 
 @pytest.mark.parametrize("name,norms,mlps,attentions", [
-    ("llama", 5, 2, 2), ("qwen3", 9, 2, 0), ("mistral-sliding", 5, 2, 0), ("gemma3-hybrid", 0, 0, 0),
-    ("gemma2-softcap", 0, 0, 0),
+    ("llama", 5, 2, 2), ("qwen2", 5, 2, 2), ("qwen3", 9, 2, 0), ("mistral-sliding", 5, 2, 2),
+    ("gemma3-hybrid", 0, 0, 0), ("gemma2-softcap", 0, 0, 0),
 ])
 def test_which_modules_are_fused(name: str, norms: int, mlps: int, attentions: int) -> None:
     """Llama-style norms (Qwen3's per-head q/k norms too) and SiLU MLPs; Gemma's (1 + weight) norms and GELU MLPs
-    keep their own forwards; attention only where the forward is Llama's (Qwen3 normalises q/k, Mistral passes a
-    window)."""
+    keep their own forwards; attention where the forward is Llama's, or Qwen2's or Mistral's (which pass a window),
+    not Qwen3's (which normalises q and k)."""
     plan = _Plan.of(fresh_tiny_model(name, "cpu"))
     assert sum(isinstance(swap[3], FusedRMSNorm) for swap in plan.swaps) == norms
     assert sum(isinstance(swap[3], FusedMLP) for swap in plan.swaps) == mlps
