@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
 REUSED_OUTPUT_BYTES = 32 << 20
 """glibc's largest mmap threshold on 64-bit: an allocation above it is always a fresh mapping."""
 _local = threading.local()
+_ABSENT = object()
 
 
 def buffer(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
@@ -38,15 +39,23 @@ def buffer(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Te
 
 
 @contextmanager
-def reusing_logits(enabled: bool = True) -> Iterator[None]:
-    """Within the block (when `enabled`), the head's logits on this thread may go into its buffer
-    (`logits_buffer`): the caller consumes them before the thread's next forward and keeps no reference."""
-    previous = getattr(_local, "logits", False)
-    _local.logits = enabled
+def thread_value(local: threading.local, name: str, value: object) -> Iterator[None]:
+    """Within the block, `local.name` is `value` on this thread; afterwards what it was (its absence included)."""
+    previous = getattr(local, name, _ABSENT)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _local.logits = previous
+        if previous is _ABSENT:
+            delattr(local, name)
+        else:
+            setattr(local, name, previous)
+
+
+def reusing_logits(enabled: bool = True) -> AbstractContextManager[None]:
+    """Within the block (when `enabled`), the head's logits on this thread may go into its buffer
+    (`logits_buffer`): the caller consumes them before the thread's next forward and keeps no reference."""
+    return thread_value(_local, "logits", enabled)
 
 
 def logits_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -71,24 +71,14 @@ def screen_request(screen: bool) -> Iterator[ScreenRequest]:
     """Within the block, the head's packed product on this thread reports to the yielded request, and screens when
     `screen` asks and it can."""
     request = ScreenRequest(screen)
-    previous = getattr(_local, "request", None)
-    _local.request = request
-    try:
+    with head_buffer.thread_value(_local, "request", request):
         yield request
-    finally:
-        _local.request = previous
 
 
-@contextmanager
-def allow_screen() -> Iterator[None]:
+def allow_screen() -> AbstractContextManager[None]:
     """Within the block, `ModelRunner.execute` on this thread may serve plain greedy steps through the screen: its
     caller hands the logits to `sample` only (the engine's steps)."""
-    previous = getattr(_local, "allowed", False)
-    _local.allowed = True
-    try:
-        yield
-    finally:
-        _local.allowed = previous
+    return head_buffer.thread_value(_local, "allowed", True)
 
 
 def screen_allowed() -> bool:
