@@ -111,10 +111,10 @@ def _chunked_head(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     `HEAD_CHUNK_MIN_ROWS` rows.
 
     512 rows of the embedded model's head (a prompt-logprobs step) took 65 ms so against 81 ms as one product, on
-    a Zen 5; but 128 rows of a 151,936-token head, in chunks of 55, made sampled decode steps 3% slower: each chunk
-    reads the whole weight again (docs/performance.md, "a thirty-second session"). A row's values are those of one
-    product where oneDNN blocks k alike for fewer rows (the embedded model's head, Qwen2's); elsewhere they may
-    differ in the last bits, as between batches of other sizes."""
+    a Zen 5 (in bfloat16, 34 against 39 ms); but 128 rows of a 151,936-token head, in chunks of 55, made sampled
+    decode steps 3% slower: each chunk reads the whole weight again (docs/performance.md, "a thirty-second
+    session"). A row's values are those of one product where oneDNN blocks k alike for fewer rows (the embedded
+    model's head, Qwen2's); elsewhere they may differ in the last bits, as between batches of other sizes."""
     step = head_buffer.REUSED_OUTPUT_BYTES // (vocab * x.element_size())
     out = head_buffer.logits_buffer(x.shape[0], vocab, x.dtype) if step >= HEAD_CHUNK_MIN_ROWS else None
     if out is None:
