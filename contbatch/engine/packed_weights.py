@@ -64,6 +64,12 @@ from contbatch.engine.ops import define_op
 
 LAYER_MAX_ROWS = 256
 HEAD_CHUNK_MIN_ROWS = 128
+PANEL_MAX_WEIGHT = 3 << 20
+"""Float32 weights with this many elements or more go through oneDNN where ATen runs AVX-512. On a Zen 5, 32
+distinct weights at 128 rows: Qwen2-0.5B's MLP (4,864 x 896) ran at 404 / 369 GFLOP/s in panels against 455 / 443
+through oneDNN; its decode steps took 290 against 301-318 ms at 128 rows and 92 against 97 at 32, and whole runs
+made 309 against 281 tok/s. SmolLM2-360M's MLP (2,560 x 960) measured the same either way; the embedded model's
+weights (at most 1,536 x 576) run faster in panels (docs/performance.md, "a thirty-second session")."""
 LAYER_MEMORY_SHARE = 0.1
 PLAN_ATTRIBUTE = "_contbatch_packed_plan"
 _handles = itertools.count()
@@ -329,11 +335,13 @@ class _Plan:
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
     """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`
     (in k pairs where `pair_panels()`), else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`):
-    every row count, in panels where the panel kernel has its AVX-512 tiles (`wide_panels`), else through oneDNN;
-    elsewhere in panels up to `LAYER_MAX_ROWS` rows."""
+    every row count, in panels where the panel kernel has its AVX-512 tiles (`wide_panels`) and the weight has
+    fewer than `PANEL_MAX_WEIGHT` elements, else through oneDNN; elsewhere in panels up to `LAYER_MAX_ROWS` rows."""
     if linear.weight.dtype == torch.bfloat16:
         return (0, bf16_panels())
-    return (0, wide_panels()) if cpu_has_avx512() else (LAYER_MAX_ROWS, True)
+    if cpu_has_avx512():
+        return (0, wide_panels() and linear.weight.numel() < PANEL_MAX_WEIGHT)
+    return (LAYER_MAX_ROWS, True)
 
 
 def _head_kind(head: nn.Linear) -> tuple[int, bool]:

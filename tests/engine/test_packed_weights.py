@@ -167,6 +167,26 @@ def test_float32_layer_kinds_follow_the_isa(avx512: bool, wide: bool, monkeypatc
     assert len(plan.swaps) == 7 * len(model.model.layers)
 
 
+def test_large_float32_weights_take_onednn_where_avx512_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AVX-512 and the panels' AVX-512 tiles, a float32 weight of `PANEL_MAX_WEIGHT` elements or more goes
+    through oneDNN (here the MLP's 128 x 64), a smaller one in panels (the attention's), and outputs stay
+    `generate`'s."""
+    monkeypatch.setattr(packed_weights, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(packed_weights, "wide_panels", lambda: True)
+    monkeypatch.setattr(packed_weights, "PANEL_MAX_WEIGHT", 128 * 64)
+    model = fresh_tiny_model("llama")
+    with packed_forward(model):
+        plan = model.__dict__[PLAN_ATTRIBUTE]
+        kinds = {name: swap.panels for _, name, _, swap in plan.swaps}
+    assert kinds == {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": True, "gate_proj": False,
+                     "up_proj": False, "down_proj": False}
+    prompts = random_prompts([9, 17, 4], seed=5)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None)
+    outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
+    for index, prompt in enumerate(prompts):
+        assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 6)
+
+
 def test_modules_given_back_when_the_forward_fails() -> None:
     model = fresh_tiny_model("llama")
     own = dict(model.named_modules())
