@@ -184,6 +184,16 @@ class FusedAttention(_StandIn):
     in one pass of the `rope` kernel, bit for bit what `apply_rotary_pos_emb` computes, where `_runs_fused` holds
     and the cos/sin rows match the tokens; else the module's own forward."""
 
+    arguments: Callable[[nn.Module], dict[str, Any]]
+    eager: Callable[..., Any]
+
+    def __init__(self, own: nn.Module) -> None:
+        super().__init__(own)
+        forward = type(own).forward
+        self.__dict__.update(arguments=_attention_arguments(own) or (lambda own: {}),
+                             eager=forward.__globals__.get("eager_attention_forward",
+                                                           modeling_llama.eager_attention_forward))
+
     def stands_for(self, own: nn.Module) -> bool:
         return own is self.own and is_llama_attention(own)
 
@@ -201,12 +211,10 @@ class FusedAttention(_StandIn):
         queries, keys = _rotated(modules["q_proj"](hidden_states), modules["k_proj"](hidden_states),  # type: ignore[misc]
                                  cos, sin, shape)
         values = modules["v_proj"](hidden_states).view(shape).transpose(1, 2)  # type: ignore[misc]
-        eager = type(own).forward.__globals__.get("eager_attention_forward", modeling_llama.eager_attention_forward)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(own.config._attn_implementation, eager)
-        arguments = _attention_arguments(own)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(own.config._attn_implementation, self.eager)
         output, weights = attention(own, queries, keys, values, attention_mask,
                                     dropout=0.0 if not own.training else own.attention_dropout, scaling=own.scaling,
-                                    **(arguments(own) if arguments is not None else {}), **kwargs)
+                                    **self.arguments(own), **kwargs)
         return modules["o_proj"](output.reshape(*input_shape, -1).contiguous()), weights  # type: ignore[misc]
 
 
