@@ -8,7 +8,8 @@ of the other rows. The vocabulary projection (LM head), and the layers where the
 reordered once into oneDNN's blocked layout: 1.4-2.9x `F.linear` for the head at every batch size (where oneDNN
 also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at decode sizes. At a few hundred rows
 and more (prefill chunks) MKL is as fast for the layers, so a layer's product takes its packed copy only up to
-`LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always. Where ATen runs AVX-512
+`LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always (a head whose output would be a
+fresh mapping, in row chunks, or for a large vocabulary in column slices: `head_product`). Where ATen runs AVX-512
 (`cpu_has_avx512`), MKL runs 2-3x below oneDNN's prepacked product at every row count (on an AVX-512 AMD EPYC), and
 the layers take the panel kernel's AVX-512 tiles at every row count (`wide_panels`: 1.1-1.3x oneDNN at decode sizes,
 as fast at 512 rows), or oneDNN's copy where the kernel lacks them.
@@ -56,14 +57,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contbatch.engine import head_buffer
 from contbatch.engine.cpu_kernels import pack_panels, pair_panels, panel_gemm, wide_panels
+from contbatch.engine.head_product import SlicedHead, chunked_product, pack_slices, sliced_product, slices_head
 from contbatch.engine.head_screen import forget as forget_screen
 from contbatch.engine.head_screen import note_head_output, screened_product
 from contbatch.engine.ops import define_op
 
 LAYER_MAX_ROWS = 256
-HEAD_CHUNK_MIN_ROWS = 128
 PANEL_MAX_WEIGHT = 3 << 20
 """Float32 weights with this many elements or more go through oneDNN where ATen runs AVX-512. On a Zen 5, 32
 distinct weights at 128 rows: Qwen2-0.5B's MLP (4,864 x 896) ran at 404 / 369 GFLOP/s in panels against 455 / 443
@@ -73,7 +73,7 @@ weights (at most 1,536 x 576) run faster in panels (docs/performance.md, "a thir
 LAYER_MEMORY_SHARE = 0.1
 PLAN_ATTRIBUTE = "_contbatch_packed_plan"
 _handles = itertools.count()
-_packed: dict[int, torch.Tensor] = {}
+_packed: dict[int, torch.Tensor | SlicedHead] = {}
 _heads: set[int] = set()
 _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDictionary()
 
@@ -94,41 +94,24 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, max_rows: int,
              panels: bool, head: bool = False) -> torch.Tensor:
-    """The product of `packed_product`; a `head`'s through oneDNN in chunks into the thread's buffer where that
-    pays (`_chunked_head`)."""
+    """The product of `packed_product`; a `head`'s through oneDNN in slices or chunks where its output is large
+    (`head_product`)."""
     rows = math.prod(x.shape[:-1])
     if max_rows and rows > max_rows:
         return F.linear(x, weight, bias)
+    packed = _packed[handle]
+    if isinstance(packed, SlicedHead):
+        return sliced_product(x.reshape(rows, x.shape[-1]), packed, bias, weight.shape[0]).view(
+            *x.shape[:-1], weight.shape[0])
     gemm = panel_gemm() if panels else None
     if gemm is not None:
-        out = gemm(x.reshape(rows, x.shape[-1]).contiguous(), _packed[handle], weight.shape[0],
+        out = gemm(x.reshape(rows, x.shape[-1]).contiguous(), packed, weight.shape[0],
                    None if bias is None else bias.contiguous())
         return out.view(*x.shape[:-1], weight.shape[0])
-    if head and (chunked := _chunked_head(x.reshape(rows, x.shape[-1]), _packed[handle], bias,
-                                          weight.shape[0])) is not None:
+    if head and (chunked := chunked_product(x.reshape(rows, x.shape[-1]), packed, bias,
+                                            weight.shape[0])) is not None:
         return chunked.view(*x.shape[:-1], weight.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed[handle], bias, "none", [], "")
-
-
-def _chunked_head(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
-    """oneDNN's head product of `x` [rows, K] in `head_buffer.logits_buffer`, in chunks of rows whose own outputs
-    stay under `head_buffer.REUSED_OUTPUT_BYTES` (so glibc reuses their memory instead of mapping it anew), each
-    copied into the buffer; None (not computed) where there is no buffer, or where a chunk would be under
-    `HEAD_CHUNK_MIN_ROWS` rows.
-
-    512 rows of the embedded model's head (a prompt-logprobs step) took 65 ms so against 81 ms as one product, on
-    a Zen 5 (in bfloat16, 34 against 39 ms); but 128 rows of a 151,936-token head, in chunks of 55, made sampled
-    decode steps 3% slower: each chunk reads the whole weight again (docs/performance.md, "a thirty-second
-    session"). A row's values are those of one product where oneDNN blocks k alike for fewer rows (the embedded
-    model's head, Qwen2's); elsewhere they may differ in the last bits, as between batches of other sizes."""
-    step = head_buffer.REUSED_OUTPUT_BYTES // (vocab * x.element_size())
-    out = head_buffer.logits_buffer(x.shape[0], vocab, x.dtype) if step >= HEAD_CHUNK_MIN_ROWS else None
-    if out is None:
-        return None
-    for start in range(0, x.shape[0], step):
-        rows = x[start:start + step].contiguous()
-        out[start:start + step].copy_(torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""))
-    return out
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
@@ -200,7 +183,7 @@ class PackedLinear(nn.Module):
         self.panels = panels
         self.dtype = linear.weight.dtype
         self.handle = next(_handles)
-        self._packed_from: tuple[int, int, bool] | None = None
+        self._packed_from: tuple[int, int, bool, bool] | None = None
         # plain references: `nn.Module.__getattr__` on a parameter costs microseconds, and every forward checks
         # a few hundred of these
         self._parameters_of: tuple[torch.Tensor, torch.Tensor | None] = (linear.weight, linear.bias)
@@ -213,14 +196,15 @@ class PackedLinear(nn.Module):
         return self._parameters_of[0] is own.get("weight") and self._parameters_of[1] is own.get("bias")
 
     def refresh(self) -> None:
-        """Packs the weight again if its storage, its version or the packing's kind (panels or oneDNN) changed since
-        the last packing."""
+        """Packs the weight again if its storage, its version or the packing's kind (panels, oneDNN, or for a head
+        oneDNN in slices: `head_product.slices_head`) changed since the last packing."""
         weight = self._parameters_of[0]
         panels = self.panels and panel_gemm() is not None
-        source = (weight.data_ptr(), weight._version, panels)
+        sliced = not panels and self.handle in _heads and slices_head(weight.shape[0], weight.dtype)
+        source = (weight.data_ptr(), weight._version, panels, sliced)
         if source != self._packed_from:
             detached = weight.detach()
-            _packed[self.handle] = (pack_panels(detached) if panels
+            _packed[self.handle] = (pack_panels(detached) if panels else pack_slices(detached) if sliced
                                     else torch.ops.mkldnn._reorder_linear_weight(detached, None))
             self._packed_from = source
             forget_screen(self.handle)

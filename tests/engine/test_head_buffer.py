@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from contbatch.engine import head_buffer, packed_weights
+from contbatch.engine import head_buffer, head_product, packed_weights
 from contbatch.outputs import GenerationOutput
 from tests.conftest import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -66,33 +66,40 @@ def buffered_logits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
-@pytest.mark.parametrize("use_async_batching", [False, True])
+@pytest.mark.parametrize(("use_async_batching", "slice_columns"), [(False, 0), (True, 0), (False, 100), (True, 64)])
 def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
-        monkeypatch: pytest.MonkeyPatch, buffered_logits: list[int], use_async_batching: bool) -> None:
-    """Every head product of more than 3 rows goes into the buffer in chunks of 3 rows, and prompt logprobs are
-    taken 3 rows at a time: seeded sampling with a repetition penalty, logprobs, top logprobs and prompt logprobs,
-    and greedy requests, come out exactly as with fresh logits, synchronous and with async batching's forward
-    thread."""
+        monkeypatch: pytest.MonkeyPatch, buffered_logits: list[int], use_async_batching: bool,
+        slice_columns: int) -> None:
+    """Every head product of more than 2 rows goes into the buffer, in chunks of 2 rows over the whole head or (with
+    `slice_columns`) in column slices, and prompt logprobs are taken 2 rows at a time: seeded sampling with a
+    repetition penalty, logprobs, top logprobs and prompt logprobs, and greedy requests, come out exactly as with
+    fresh logits, synchronous and with async batching's forward thread."""
     model = tiny_model("llama", "cpu")
     prompts = random_prompts([5, 17, 3, 30, 9], seed=3)
     sampling = dict(do_sample=True, temperature=0.9, repetition_penalty=1.3, logprobs=True, top_logprobs=3,
                     prompt_logprobs=2)
+    monkeypatch.setattr(head_product, "HEAD_CHUNK_MIN_ROWS", 128 if slice_columns else 1)
+    monkeypatch.setattr(head_product, "SLICE_COLUMNS", slice_columns or 1 << 30)
 
-    monkeypatch.setattr(packed_weights, "HEAD_CHUNK_MIN_ROWS", 1)
-
-    def run(threshold: int) -> dict[str, GenerationOutput]:
+    def run(threshold: int) -> tuple[dict[str, GenerationOutput], list[object]]:
         monkeypatch.setattr(head_buffer, "REUSED_OUTPUT_BYTES", threshold)
         with make_engine(model, use_async_batching=use_async_batching, block_size=4, num_blocks=200,
                          max_batch_tokens=16) as engine:
             for index, prompt in enumerate(prompts):
                 engine.add_request(prompt, f"s{index}", max_new_tokens=9, seed=50 + index, **sampling)
                 engine.add_request(prompt, f"g{index}", max_new_tokens=9)
-            return run_engine(engine)
+            outputs = run_engine(engine)
+        return outputs, list(packed_weights._packed.values())
 
-    fresh = run(1 << 62)
+    fresh, fresh_packing = run(1 << 62)
     assert buffered_logits[0] == 0
-    reused = run(3 * VOCAB * 4)
+    assert not any(isinstance(packed, head_product.SlicedHead) for packed in fresh_packing)
+    reused, packing = run(2 * VOCAB * 4 + 1)
     assert buffered_logits[0] > 10
+    sliced = [packed for packed in packing if isinstance(packed, head_product.SlicedHead)]
+    assert len(sliced) == (1 if slice_columns else 0)
+    if slice_columns:
+        assert sliced[0].width * (len(sliced[0].packed) - 1) < VOCAB <= sliced[0].width * len(sliced[0].packed)
     assert reused.keys() == fresh.keys()
     for request_id, output in fresh.items():
         other = reused[request_id]
@@ -101,3 +108,32 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
         assert other.prompt_logprobs == output.prompt_logprobs, request_id
     for index, prompt in enumerate(prompts):
         assert reused[f"g{index}"].generated_tokens == reference_generate(model, prompt, 9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_sliced_head_computes_the_whole_heads_product(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                        with_bias: bool) -> None:
+    """A head packed in column slices (the last one narrower) gives exactly oneDNN's product over the whole packed
+    weight, in row chunks that keep each slice's output below the threshold, into the thread's buffer inside
+    `reusing_logits` and into a fresh tensor outside it."""
+    if dtype == torch.bfloat16 and not packed_weights.cpu_has_bf16():
+        pytest.skip("oneDNN has no bfloat16 product on this CPU")
+    monkeypatch.setattr(head_product, "SLICE_COLUMNS", 96)
+    monkeypatch.setattr(head_buffer, "REUSED_OUTPUT_BYTES", 5 * 96 * dtype.itemsize)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 72, generator=generator).to(dtype)
+    bias = torch.randn(1000, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(23, 72, generator=generator).to(dtype)
+    assert head_product.slices_head(1000, dtype)
+    sliced = head_product.pack_slices(weight)
+    assert sliced.width == 91 and len(sliced.packed) == 11
+    whole = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias,
+                                               "none", [], "")
+    fresh = head_product.sliced_product(x, sliced, bias, 1000)
+    assert torch.equal(fresh, whole)
+    with head_buffer.reusing_logits():
+        reused = head_product.sliced_product(x, sliced, bias, 1000)
+        buffer = head_buffer.buffer(23, 1000, dtype)
+    assert buffer is not None and reused.data_ptr() == buffer.data_ptr() != fresh.data_ptr()
+    assert torch.equal(reused, whole)
