@@ -7,9 +7,10 @@ faults a step for the first, which made decode steps of a Qwen2-0.5B-shaped mode
 "a thirty-second session"). A product that large goes instead into this thread's buffer, which the next one on
 the thread overwrites.
 
-Two users: the head screen's int8 product, consumed inside the screen (`buffer`), and the head's logits, which may
-go there only inside `reusing_logits` (the engine's eager steps, whose logits `sample` consumes before the
-thread's next forward: `logits_buffer`).
+Two users of the "head" slot: the head screen's int8 product, consumed inside the screen (`buffer`), and the head's
+logits, which may go there only inside `reusing_logits` (the engine's eager steps, whose logits `sample` consumes
+before the thread's next forward: `logits_buffer`). Prompt logprobs' `log_softmax` blocks, each consumed before
+the next, take the "log_softmax" slot, since the logits they read may be in the "head" one.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ _local = threading.local()
 _ABSENT = object()
 
 
-def buffer(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """This thread's [rows, cols] buffer of `dtype` (uninitialised, contiguous) when that is larger than
-    `REUSED_OUTPUT_BYTES`, else None. The next `buffer` or `logits_buffer` on the thread may overwrite it."""
+def buffer(rows: int, cols: int, dtype: torch.dtype = torch.float32, slot: str = "head") -> torch.Tensor | None:
+    """This thread's [rows, cols] buffer of `dtype` in `slot` (uninitialised, contiguous) when that is larger than
+    `REUSED_OUTPUT_BYTES`, else None. The next `buffer` of the slot on the thread (`logits_buffer` is the "head"
+    slot's) may overwrite it; another slot's never does."""
     nbytes = rows * cols * dtype.itemsize
     if nbytes <= REUSED_OUTPUT_BYTES:
         return None
-    storage: torch.Tensor | None = getattr(_local, "storage", None)
+    storages: dict[str, torch.Tensor] = _local.__dict__.setdefault("storages", {})
+    storage = storages.get(slot)
     if storage is None or storage.numel() < nbytes:
-        storage = _local.storage = torch.empty(nbytes, dtype=torch.uint8)
+        storage = storages[slot] = torch.empty(nbytes, dtype=torch.uint8)
     return storage[:nbytes].view(dtype).view(rows, cols)
 
 

@@ -27,9 +27,9 @@ def prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> lis
 def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, list[PromptLogprob]]:
     """The entries of every prompt logprobs task of `scheduled` from `rows`, their logits rows in batch order
     (see `prompt_rows`): log_softmax in float32 of at most LOG_SOFTMAX_ROWS rows at a time (so the float32
-    block stays small whatever the chunk; on CPU, also at most `head_buffer.REUSED_OUTPUT_BYTES`, above which each
-    block would be a fresh mapping whose pages all fault), the scored token's logprob and the top `num_top`
-    gathered on the device, then one transfer to the CPU."""
+    block stays small whatever the chunk; on CPU, a block above `head_buffer.REUSED_OUTPUT_BYTES` goes into the
+    thread's reused "log_softmax" buffer instead of a fresh mapping whose pages all fault), the scored token's
+    logprob and the top `num_top` gathered on the device, then one transfer to the CPU."""
     tasks = [(entry.request_id, entry.prompt_logprobs) for entry in scheduled if entry.prompt_logprobs is not None]
     if not tasks:
         return {}
@@ -39,12 +39,11 @@ def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> di
     chosen = torch.empty(len(targets), dtype=torch.float32, device=rows.device)
     top_values = torch.empty(len(targets), num_top, dtype=torch.float32, device=rows.device)
     top_ids = torch.empty(len(targets), num_top, dtype=torch.long, device=rows.device)
-    step = LOG_SOFTMAX_ROWS
-    if rows.device.type == "cpu":
-        step = max(1, min(step, head_buffer.REUSED_OUTPUT_BYTES // (rows.shape[-1] * 4)))
-    for start in range(0, len(targets), step):
-        end = min(start + step, len(targets))
-        block = rows[start:end].log_softmax(-1, dtype=torch.float32)
+    for start in range(0, len(targets), LOG_SOFTMAX_ROWS):
+        end = min(start + LOG_SOFTMAX_ROWS, len(targets))
+        reused = (head_buffer.buffer(end - start, rows.shape[-1], torch.float32, slot="log_softmax")
+                  if rows.device.type == "cpu" else None)
+        block = torch.log_softmax(rows[start:end], -1, dtype=torch.float32, out=reused)
         chosen[start:end] = block.gather(1, targets[start:end].unsqueeze(1)).squeeze(1)
         if num_top:
             top_values[start:end], top_ids[start:end] = block.topk(num_top, dim=-1)

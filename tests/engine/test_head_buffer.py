@@ -30,6 +30,9 @@ def test_a_thread_reuses_its_buffer_and_another_thread_has_its_own(monkeypatch: 
     thread.start()
     thread.join()
     assert other[0] is not None and other[0].data_ptr() != larger.data_ptr()
+    elsewhere = head_buffer.buffer(8, 50, slot="log_softmax")
+    assert elsewhere is not None and elsewhere.data_ptr() != larger.data_ptr()
+    assert head_buffer.buffer(8, 50).data_ptr() == larger.data_ptr()  # type: ignore[union-attr]
 
 
 def test_logits_go_into_the_buffer_only_inside_reusing_logits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,16 +56,23 @@ def test_a_buffer_of_another_dtype_shares_the_storage(monkeypatch: pytest.Monkey
 
 @pytest.fixture
 def buffered_logits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Counts the head products whose logits went into the buffer."""
-    calls = [0]
-    original = head_buffer.logits_buffer
+    """Counts the head products whose logits went into the buffer, and the log_softmax blocks that went into theirs."""
+    calls = [0, 0]
+    original, original_buffer = head_buffer.logits_buffer, head_buffer.buffer
 
     def counted(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
         out = original(rows, cols, dtype)
         calls[0] += out is not None
         return out
 
+    def counted_blocks(rows: int, cols: int, dtype: torch.dtype = torch.float32,
+                       slot: str = "head") -> torch.Tensor | None:
+        out = original_buffer(rows, cols, dtype, slot)
+        calls[1] += slot == "log_softmax" and out is not None
+        return out
+
     monkeypatch.setattr(head_buffer, "logits_buffer", counted)
+    monkeypatch.setattr(head_buffer, "buffer", counted_blocks)
     yield calls
 
 
@@ -71,9 +81,9 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
         monkeypatch: pytest.MonkeyPatch, buffered_logits: list[int], use_async_batching: bool,
         slice_columns: int) -> None:
     """Every head product of more than 2 rows goes into the buffer, in chunks of 2 rows over the whole head or (with
-    `slice_columns`) in column slices, and prompt logprobs are taken 2 rows at a time: seeded sampling with a
-    repetition penalty, logprobs, top logprobs and prompt logprobs, and greedy requests, come out exactly as with
-    fresh logits, synchronous and with async batching's forward thread."""
+    `slice_columns`) in column slices, and prompt logprobs' log_softmax blocks of more than 2 rows into theirs:
+    seeded sampling with a repetition penalty, logprobs, top logprobs and prompt logprobs, and greedy requests,
+    come out exactly as with fresh logits, synchronous and with async batching's forward thread."""
     model = tiny_model("llama", "cpu")
     prompts = random_prompts([5, 17, 3, 30, 9], seed=3)
     sampling = dict(do_sample=True, temperature=0.9, repetition_penalty=1.3, logprobs=True, top_logprobs=3,
@@ -92,10 +102,10 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
         return outputs, list(packed_weights._packed.values())
 
     fresh, fresh_packing = run(1 << 62)
-    assert buffered_logits[0] == 0
+    assert buffered_logits == [0, 0]
     assert not any(isinstance(packed, head_product.SlicedHead) for packed in fresh_packing)
     reused, packing = run(2 * VOCAB * 4 + 1)
-    assert buffered_logits[0] > 10
+    assert buffered_logits[0] > 10 and buffered_logits[1] > 3
     sliced = [packed for packed in packing if isinstance(packed, head_product.SlicedHead)]
     assert len(sliced) == (1 if slice_columns else 0)
     if slice_columns:
