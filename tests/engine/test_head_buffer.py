@@ -91,7 +91,7 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
     monkeypatch.setattr(head_product, "HEAD_CHUNK_MIN_ROWS", 128 if slice_columns else 1)
     monkeypatch.setattr(head_product, "SLICE_COLUMNS", slice_columns or 1 << 30)
 
-    def run(threshold: int) -> tuple[dict[str, GenerationOutput], list[object]]:
+    def run(threshold: int) -> tuple[dict[str, GenerationOutput], object]:
         monkeypatch.setattr(head_buffer, "REUSED_OUTPUT_BYTES", threshold)
         with make_engine(model, use_async_batching=use_async_batching, block_size=4, num_blocks=200,
                          max_batch_tokens=16) as engine:
@@ -99,17 +99,17 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
                 engine.add_request(prompt, f"s{index}", max_new_tokens=9, seed=50 + index, **sampling)
                 engine.add_request(prompt, f"g{index}", max_new_tokens=9)
             outputs = run_engine(engine)
-        return outputs, list(packed_weights._packed.values())
+        head = model.__dict__[packed_weights.PLAN_ATTRIBUTE].packed_head
+        return outputs, packed_weights._packed[head.handle]
 
-    fresh, fresh_packing = run(1 << 62)
+    fresh, fresh_head = run(1 << 62)
     assert buffered_logits == [0, 0]
-    assert not any(isinstance(packed, head_product.SlicedHead) for packed in fresh_packing)
-    reused, packing = run(2 * VOCAB * 4 + 1)
+    assert isinstance(fresh_head, torch.Tensor)
+    reused, head = run(2 * VOCAB * 4 + 1)
     assert buffered_logits[0] > 10 and buffered_logits[1] > 3
-    sliced = [packed for packed in packing if isinstance(packed, head_product.SlicedHead)]
-    assert len(sliced) == (1 if slice_columns else 0)
-    if slice_columns:
-        assert sliced[0].width * (len(sliced[0].packed) - 1) < VOCAB <= sliced[0].width * len(sliced[0].packed)
+    assert isinstance(head, head_product.SlicedHead) == bool(slice_columns)
+    if isinstance(head, head_product.SlicedHead):
+        assert head.width * (len(head.packed) - 1) < VOCAB <= head.width * len(head.packed) and len(head.packed) > 2
     assert reused.keys() == fresh.keys()
     for request_id, output in fresh.items():
         other = reused[request_id]

@@ -74,7 +74,7 @@ def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest
     storages = []
     for rows, expected in zip(batches, fresh, strict=True):
         assert torch.equal(screen_tokens(rows, weight, screen), expected)
-        storages.append(head_buffer._local.storage)
+        storages.append(head_buffer._local.storages["head"])
     assert storages[0] is storages[1] is storages[2] and storages[0].numel() == 64 * 1003 * 4
 
 
