@@ -1,4 +1,4 @@
-"""Greedy tokens from a float32 output head through an int8 screen, on CPUs with VNNI.
+"""Greedy tokens from a float32 or bfloat16 output head through an int8 screen, on CPUs with VNNI.
 
 A greedy decode step needs only the argmax of each logits row, and the head's product is the largest of the step
 (49,152 x 576 for the embedded model). Where the CPU has VNNI, oneDNN's int8 product runs at about 3x its float32
@@ -6,7 +6,10 @@ one. The screen quantises the head's rows to int8 (once per weight version) and 
 from the exact integer product an approximation of every logit with a rigorous bound on its distance to any
 float32 evaluation of the logit (`csrc/head_screen.cpp` states it). Only the tokens whose upper bound reaches the
 best lower bound can be the argmax; they get a float32 logit, and the first largest is the token: the argmax of the
-float32 logits up to the summation order of the product, as with any GEMM library.
+float32 logits up to the summation order of the product, as with any GEMM library. A bfloat16 head's weights and
+hidden rows are exact in float32, and its logits are float32 sums rounded to bfloat16: the screen keeps every token
+whose upper bound reaches the bfloat16 value below the best lower bound's rounding, and the token is the first
+largest of the candidates' float32 logits rounded to bfloat16.
 
 Within `allow_screen` (the engine's steps, whose logits go straight to sampling), the model runner asks for it
 (`screen_request`) for a step whose every sampling row is plain greedy (no sampling,
@@ -18,7 +21,7 @@ its output, `note_head_output`): a model that transforms its logits after the he
 screened.
 
 Off where the kernels lack VNNI, where oneDNN's quantised product is missing or fails its self-check at packing
-(int32 products checked exactly on extreme inputs), for non-float32 heads, and with `CONTBATCH_HEAD_SCREEN=0`.
+(int32 products checked exactly on extreme inputs), for heads of other dtypes, and with `CONTBATCH_HEAD_SCREEN=0`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from contbatch.engine.cpu_kernels import kernel_module
 
 logger = logging.getLogger(__name__)
 _EPS32 = 2.0**-24
+SCREENED_DTYPES = (torch.float32, torch.bfloat16)
 _local = threading.local()
 _screens: dict[int, HeadScreen | None] = {}
 
@@ -103,10 +107,11 @@ def forget(handle: int) -> None:
 
 def screened_product(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor | None:
     """The head's output for a screened step: when this thread asked (`screen_request`) and the screen applies to
-    `weight` (float32, screen built for `handle`), stores the greedy token of every row of `x` in the request and
-    returns an uninitialised [*x.shape[:-1], vocab] tensor; else None (the caller computes the logits)."""
+    `weight` (float32 or bfloat16, screen built for `handle`), stores the greedy token of every row of `x` in the
+    request and returns an uninitialised [*x.shape[:-1], vocab] tensor; else None (the caller computes the
+    logits)."""
     request: ScreenRequest | None = getattr(_local, "request", None)
-    if (request is None or not request.screen or weight.dtype != torch.float32 or x.dtype != torch.float32
+    if (request is None or not request.screen or weight.dtype not in SCREENED_DTYPES or x.dtype != weight.dtype
             or not screen_supported()):
         return None
     if handle not in _screens:
@@ -114,7 +119,7 @@ def screened_product(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torc
     screen = _screens[handle]
     if screen is None:
         return None
-    hidden = x.reshape(-1, x.shape[-1]).contiguous()
+    hidden = x.reshape(-1, x.shape[-1]).float().contiguous()
     request.tokens = screen_tokens(hidden, weight.detach(), screen)
     request.head_output = x.new_empty((*x.shape[:-1], weight.shape[0]))
     return request.head_output
@@ -131,7 +136,8 @@ def note_head_output(output: torch.Tensor) -> torch.Tensor:
 
 def screen_tokens(hidden: torch.Tensor, weight: torch.Tensor, screen: HeadScreen) -> torch.Tensor:
     """[rows] int64: the greedy token of each row of `hidden` [rows, K] (float32, contiguous) under the head
-    `weight` [V, K], -1 for a row that is not finite."""
+    `weight` [V, K] (float32, or bfloat16: the first largest of the logits rounded to bfloat16), -1 for a row that is
+    not finite."""
     module = kernel_module()
     codes, stats = module.screen_quantize(hidden)
     scaled = _int8_product(codes, screen, head_buffer.buffer(codes.shape[0], screen.scales.shape[0]))
@@ -150,8 +156,8 @@ def _int8_product(codes: torch.Tensor, screen: HeadScreen, out: torch.Tensor | N
 
 
 def build_screen(weight: torch.Tensor) -> HeadScreen | None:
-    """The screen of a float32 head `weight` [V, K], or None (logged) when its weights are not finite or oneDNN's
-    quantised product fails the self-check."""
+    """The screen of a head `weight` [V, K] (float32 or bfloat16), or None (logged) when its weights are not finite
+    or oneDNN's quantised product fails the self-check."""
     if not bool(torch.isfinite(weight).all()):
         return None
     wide = weight.double()

@@ -1,6 +1,7 @@
 """The head screen: greedy tokens of a float32 head through an int8 product and float32 logits for the candidates,
-equal to the argmax of the float32 logits; and the engine serving only plain greedy steps of models that return
-the head's output as their logits."""
+equal to the argmax of the float32 logits (of a bfloat16 head, the first argmax of its logits rounded to
+bfloat16); and the engine serving only plain greedy steps of models that return the head's output as their
+logits."""
 
 from __future__ import annotations
 
@@ -61,6 +62,49 @@ def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int) -> None
     assert set(tokens[tied].tolist()) <= {7, 12}
 
 
+@pytest.mark.parametrize(("vocab", "k"), [(1003, 72), (4099, 576)])
+def test_bfloat16_tokens_are_the_first_argmax_of_the_rounded_logits(vocab: int, k: int) -> None:
+    """A bfloat16 head: the token is the first largest of the logits rounded to bfloat16, as the head's own product
+    gives them. Head row 3 is row 7 scaled down by 0.3%, so for rows along row 7 its float32 logit is smaller but
+    often rounds to the same bfloat16 value, and then token 3 (the lower index) wins; rows 7 and 11 tie exactly."""
+    weight, hidden = _head_and_hidden(vocab, k, 128)
+    weight[3] = weight[7] * (1 - 3e-3)
+    weight, hidden = weight.bfloat16(), hidden.bfloat16()
+    screen = build_screen(weight)
+    assert screen is not None
+    tokens = screen_tokens(hidden.float().contiguous(), weight, screen)
+    logits = torch.nn.functional.linear(hidden, weight)
+    assert torch.equal(tokens, logits.argmax(dim=1))
+    wide = hidden.double() @ weight.double().T
+    rounded_tie = (tokens == 3) & (wide[:, 3] < wide[:, 7])
+    assert rounded_tie.sum() > 3
+    assert not bool((tokens == 11).any())  # row 11 ties row 7 exactly: the first wins
+
+
+def test_bfloat16_ties_made_by_rounding_go_to_the_first_token() -> None:
+    """Integer weights and hidden rows on the int8 grid, so the quantisation is exact and the screen's bound far
+    narrower than a bfloat16 step; head rows 500-999 are small perturbations of one row, along which the hidden rows
+    point, so their distinct exact logits often round to the same bfloat16 value. The token must be the first of the
+    rounded maximum (what the head's own product and argmax give), not the exact maximum."""
+    generator = torch.Generator().manual_seed(1)
+    k = 64
+    weight = torch.randint(-127, 128, (2000, k), generator=generator).float()
+    weight[torch.arange(2000), torch.randint(0, k, (2000,), generator=generator)] = 127.0
+    family = weight[500].clone()
+    top = int(family.abs().argmax())
+    weight[500:1000] = (family + torch.randint(-2, 3, (500, k), generator=generator)).clamp(-127, 127)
+    weight[500:1000, top] = family[top]
+    hidden = (family + torch.randint(-20, 21, (96, k), generator=generator)).clamp(-127, 127)
+    hidden[:, top] = 127.0
+    weight, hidden = (weight / 128).bfloat16(), hidden.bfloat16()
+    screen = build_screen(weight)
+    assert screen is not None
+    tokens = screen_tokens(hidden.float().contiguous(), weight, screen)
+    assert torch.equal(tokens, torch.nn.functional.linear(hidden, weight).argmax(dim=1))
+    exact = hidden.double() @ weight.double().T
+    assert (exact.gather(1, tokens[:, None]).squeeze(1) < exact.amax(dim=1)).sum() > 48
+
+
 def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above `REUSED_OUTPUT_BYTES` the int8 product is computed into the thread's buffer (`head_buffer`), reused by
     later products of any size up to it, and the tokens are those of a fresh product: nothing of an earlier
@@ -106,6 +150,25 @@ def test_plain_greedy_steps_are_screened_and_equal_generate(screened_calls: list
     assert screened_calls[0] > 0
     for index, prompt in enumerate(prompts):
         assert outputs[str(index)].generated_tokens == reference_generate(model, prompt, 12)
+
+
+def test_bfloat16_greedy_steps_are_screened_and_equal_the_unscreened_steps(
+        screened_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fresh_tiny_model("llama", "cpu").to(torch.bfloat16)
+    prompts = random_prompts([5, 17, 3, 40, 9, 26])
+
+    def run() -> dict[str, list[int]]:
+        with make_engine(model, max_batch_tokens=32) as engine:
+            for index, prompt in enumerate(prompts):
+                engine.add(engine.make_request(prompt, str(index), max_new_tokens=12))
+            return {key: output.generated_tokens for key, output in run_engine(engine).items()}
+
+    screened = run()
+    assert screened_calls[0] > 0
+    monkeypatch.setattr(head_screen, "SCREENED_DTYPES", (torch.float32,))
+    calls = screened_calls[0]
+    assert run() == screened
+    assert screened_calls[0] == calls
 
 
 def test_steps_that_need_logits_are_not_screened(screened_calls: list[int]) -> None:

@@ -9,10 +9,18 @@
 // gives s_j (q_j.p) in float32; its rounding, and this file's, are covered by a relative margin). A token whose upper
 // bound approx_j + bound_j is below the largest lower bound approx_i - bound_i cannot be the argmax of the float32
 // logits in any summation order; the others get a float32 logit here (one fixed order), and the first largest wins.
+//
+// A bfloat16 head (its weights, and the hidden row, exact in float32) gives logits summed in float32 and rounded to
+// bfloat16 once, to nearest even; rounding is monotone, so a token can be the first largest of the rounded logits only
+// if its upper bound rounds at least to where the largest lower bound rounds: the screen keeps every token whose upper
+// bound exceeds the bfloat16 value below that one, and compares the candidates' float32 logits rounded to bfloat16.
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -113,9 +121,9 @@ static void vector_candidates(const Screen& s, float lower, std::vector<int64_t>
   }
 }
 
-// One float32 logit, W_j.h, in a fixed order (two chains of S's lanes, then a scalar tail).
-template <typename S>
-static float vector_logit(const float* w, const float* h, int64_t k) {
+// One float32 logit, W_j.h, in a fixed order (two chains of S's lanes, then a scalar tail); W float32 or bfloat16.
+template <typename S, typename W>
+static float vector_logit(const W* w, const float* h, int64_t k) {
   typename S::V a0 = S::zero(), a1 = S::zero();
   int64_t i = 0;
   for (; i + 2 * S::kWidth <= k; i += 2 * S::kWidth) {
@@ -123,25 +131,43 @@ static float vector_logit(const float* w, const float* h, int64_t k) {
     a1 = S::fma(S::load(w + i + S::kWidth), S::load(h + i + S::kWidth), a1);
   }
   float sum = hsum(S::fold(S::add(a0, a1)));
-  for (; i < k; ++i) sum += w[i] * h[i];
+  for (; i < k; ++i) sum += static_cast<float>(w[i]) * h[i];
   return sum;
 }
 #endif
 
-static float logit(const float* w, const float* h, int64_t k) {
+template <typename W>
+static float logit(const W* w, const float* h, int64_t k) {
 #if defined(CONTBATCH_AVX512)
   return vector_logit<Lanes16>(w, h, k);
 #elif defined(CONTBATCH_AVX2)
   return vector_logit<Lanes8>(w, h, k);
 #else
   float sum = 0.f;
-  for (int64_t i = 0; i < k; ++i) sum += w[i] * h[i];
+  for (int64_t i = 0; i < k; ++i) sum += static_cast<float>(w[i]) * h[i];
   return sum;
 #endif
 }
 
-// The tokens of one row that the screen cannot rule out, in order.
-static void candidates(const Screen& s, std::vector<int64_t>& out) {
+// A float32 logit as the head's output holds it: itself, or rounded to bfloat16 (to nearest even, as oneDNN's and
+// torch's conversions round).
+static inline float as_output(float x, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(x)) : x; }
+
+// The largest bfloat16 value below `x` rounded to bfloat16 (-inf stays -inf).
+static float bf16_below(float x) {
+  const float rounded = as_output(x, true);
+  if (rounded == -INFINITY) return rounded;
+  uint32_t bits;
+  std::memcpy(&bits, &rounded, sizeof(bits));
+  bits = rounded > 0.f ? bits - 0x10000u : rounded < 0.f ? bits + 0x10000u : 0x80010000u;
+  float below;
+  std::memcpy(&below, &bits, sizeof(below));
+  return below;
+}
+
+// The tokens of one row that the screen cannot rule out, in order; for a bfloat16 head, those whose upper bound
+// exceeds the bfloat16 value below the largest lower bound's rounding.
+static void candidates(const Screen& s, bool bf16, std::vector<int64_t>& out) {
   out.clear();
   int64_t done = 0;
   float lower = -INFINITY;
@@ -151,6 +177,7 @@ static void candidates(const Screen& s, std::vector<int64_t>& out) {
   lower = vector_lower<Lanes8>(s, done);
 #endif
   lower = std::max(lower, tail_pass(s, done, INFINITY, nullptr));
+  if (bf16) lower = bf16_below(lower);
 #if defined(CONTBATCH_AVX512)
   vector_candidates<Lanes16>(s, lower, out);
 #elif defined(CONTBATCH_AVX2)
@@ -159,18 +186,21 @@ static void candidates(const Screen& s, std::vector<int64_t>& out) {
   tail_pass(s, done, lower, &out);
 }
 
-// The greedy token of one hidden row h: the first candidate with the largest float32 logit; -1 when h is not finite.
-static int64_t screen_row(const Screen& s, const float* h, const float* w, int64_t k, std::vector<int64_t>& found) {
+// The greedy token of one hidden row h: the first candidate with the largest logit (float32, or for a bfloat16 head
+// rounded to bfloat16); -1 when h is not finite.
+template <typename W>
+static int64_t screen_row(const Screen& s, const float* h, const W* w, int64_t k, std::vector<int64_t>& found) {
+  constexpr bool bf16 = std::is_same_v<W, c10::BFloat16>;
   if (!std::isfinite(s.t)) return -1;
-  candidates(s, found);
+  candidates(s, bf16, found);
   int64_t best = -1;
   float best_logit = -INFINITY;
   for (size_t i = 0; i < found.size(); ++i) {
     if (i + 1 < found.size()) {
-      const float* next = w + found[i + 1] * k;
-      for (int64_t d = 0; d < k; d += 16) __builtin_prefetch(next + d, 0, 3);
+      const W* next = w + found[i + 1] * k;
+      for (int64_t d = 0; d < k; d += 64 / sizeof(W)) __builtin_prefetch(next + d, 0, 3);
     }
-    const float value = logit(w + found[i] * k, h, k);
+    const float value = as_output(logit(w + found[i] * k, h, k), bf16);
     if (best < 0 || value > best_logit) {
       best = found[i];
       best_logit = value;
@@ -179,16 +209,10 @@ static int64_t screen_row(const Screen& s, const float* h, const float* w, int64
   return best;
 }
 
-// scaled [B, V] float32 = s_j (q_j.p_b); stats [B, 3] from `screen_quantize`; a, c [V] float32; hidden [B, K] and
-// weight [V, K] float32. Returns [B] int64: each row's greedy token, -1 where its hidden row is not finite.
-torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
-                            const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight) {
-  TORCH_CHECK(scaled.scalar_type() == torch::kFloat32 && scaled.is_contiguous() && scaled.dim() == 2);
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && hidden.is_contiguous());
+template <typename W>
+static void screen_rows(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
+                        const torch::Tensor& c, const torch::Tensor& hidden, const W* weight, int64_t* out) {
   const int64_t rows = scaled.size(0), vocab = scaled.size(1), k = hidden.size(1);
-  TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == k && a.numel() == vocab && c.numel() == vocab);
-  auto tokens = torch::empty({rows}, scaled.options().dtype(torch::kInt64));
-  int64_t* out = tokens.data_ptr<int64_t>();
   const float *scaled_rows = scaled.data_ptr<float>(), *st = stats.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> found;
@@ -196,9 +220,26 @@ torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& st
       const float* row = st + b * 3;
       const Screen s{scaled_rows + b * vocab, a.data_ptr<float>(), c.data_ptr<float>(), row[0],
                      row[1] * (1.f + kMargin), row[2] * (1.f + kMargin), vocab};
-      out[b] = screen_row(s, hidden.data_ptr<float>() + b * k, weight.data_ptr<float>(), k, found);
+      out[b] = screen_row(s, hidden.data_ptr<float>() + b * k, weight, k, found);
     }
   });
+}
+
+// scaled [B, V] float32 = s_j (q_j.p_b); stats [B, 3] from `screen_quantize`; a, c [V] float32; hidden [B, K] float32
+// and weight [V, K] float32 or bfloat16. Returns [B] int64: each row's greedy token, -1 where its hidden row is not
+// finite.
+torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
+                            const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight) {
+  TORCH_CHECK(scaled.scalar_type() == torch::kFloat32 && scaled.is_contiguous() && scaled.dim() == 2);
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && weight.is_contiguous() && hidden.is_contiguous());
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
+  const int64_t rows = scaled.size(0), vocab = scaled.size(1), k = hidden.size(1);
+  TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == k && a.numel() == vocab && c.numel() == vocab);
+  auto tokens = torch::empty({rows}, scaled.options().dtype(torch::kInt64));
+  if (weight.scalar_type() == torch::kBFloat16)
+    screen_rows(scaled, stats, a, c, hidden, weight.data_ptr<c10::BFloat16>(), tokens.data_ptr<int64_t>());
+  else
+    screen_rows(scaled, stats, a, c, hidden, weight.data_ptr<float>(), tokens.data_ptr<int64_t>());
   return tokens;
 }
 
