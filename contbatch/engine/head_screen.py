@@ -156,32 +156,18 @@ def _int8_product(codes: torch.Tensor, screen: HeadScreen, out: torch.Tensor | N
 
 
 def build_screen(weight: torch.Tensor) -> HeadScreen | None:
-    """The screen of a head `weight` [V, K] (float32 or bfloat16), or None (logged) when its weights are not finite
-    or oneDNN's quantised product fails the self-check."""
-    if not bool(torch.isfinite(weight).all()):
+    """The screen of a head `weight` [V, K] (float32 or bfloat16; its int8 rows and bound coefficients by
+    `csrc/head_screen.cpp`'s `screen_codes`), or None when its weights are not finite or (logged) oneDNN's quantised
+    product fails the self-check."""
+    int8, scales, a, c = kernel_module().screen_codes(weight.contiguous())
+    if not bool(torch.isfinite(scales).all()):
         return None
-    wide = weight.double()
-    scales = (wide.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    scales = _round_up(scales).double()
-    codes = torch.round(wide / scales[:, None]).clamp(-127, 127)
-    residual = wide - scales[:, None] * codes
-    k = weight.shape[1]
-    gamma = k * _EPS32 / (1 - k * _EPS32)
-    a = _round_up(scales * codes.norm(dim=1) * (1 + 1e-9))
-    c = _round_up((residual.norm(dim=1) + gamma * wide.norm(dim=1)) * (1 + 1e-9))
-    int8 = codes.to(torch.int8)
-    screen = HeadScreen(torch.ops.onednn.qlinear_prepack(int8, None), scales.float(),
+    screen = HeadScreen(torch.ops.onednn.qlinear_prepack(int8, None), scales,
                         torch.zeros(weight.shape[0], dtype=torch.long), a, c)
     if not _products_exact(screen, int8):
         logger.warning("contbatch: oneDNN's int8 product failed the head screen's check; computing full logits")
         return None
     return screen
-
-
-def _round_up(values: torch.Tensor) -> torch.Tensor:
-    """float64 -> the float32 values >= them."""
-    down = values.float()
-    return torch.where(down.double() >= values, down, torch.nextafter(down, torch.full_like(down, float("inf"))))
 
 
 def _products_exact(screen: HeadScreen, int8: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from contbatch.engine import head_buffer, head_screen
+from contbatch.engine.cpu_kernels import kernel_module
 from contbatch.engine.head_screen import build_screen, screen_supported, screen_tokens
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -103,6 +104,38 @@ def test_bfloat16_ties_made_by_rounding_go_to_the_first_token() -> None:
     assert torch.equal(tokens, torch.nn.functional.linear(hidden, weight).argmax(dim=1))
     exact = hidden.double() @ weight.double().T
     assert (exact.gather(1, tokens[:, None]).squeeze(1) < exact.amax(dim=1)).sum() > 48
+
+
+def _reference_codes(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`screen_codes` in float64 tensor operations: (codes, scales, a, c) before rounding a and c to float32."""
+    wide = weight.double()
+    scales = (wide.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    down = scales.float()
+    scales = torch.where(down.double() >= scales, down, torch.nextafter(down, torch.full_like(down, float("inf"))))
+    codes = torch.round(wide / scales.double()[:, None]).clamp(-127, 127)
+    residual = wide - scales.double()[:, None] * codes
+    gamma = weight.shape[1] * 2.0**-24 / (1 - weight.shape[1] * 2.0**-24)
+    a = scales.double() * codes.norm(dim=1)
+    c = residual.norm(dim=1) + gamma * wide.norm(dim=1)
+    return codes.to(torch.int8), scales, a, c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_head_and_its_bound_coefficients(dtype: torch.dtype) -> None:
+    """The kernel's codes and scales are the float64 reference's exactly; its a and c are at least the reference's
+    (the bound stays rigorous) and within a millionth of them. A row with an infinity or a NaN has a NaN scale."""
+    weight, _ = _head_and_hidden(1003, 72, 4)
+    weight[5] = 0.0
+    weight = weight.to(dtype)
+    codes, scales, a, c = kernel_module().screen_codes(weight)
+    reference = _reference_codes(weight)
+    assert torch.equal(codes, reference[0]) and torch.equal(scales, reference[1])
+    for value, exact in ((a, reference[2]), (c, reference[3])):
+        assert bool((value.double() >= exact).all()) and bool((value.double() <= exact * (1 + 1e-6) + 1e-30).all())
+    weight[9, 3], weight[20, 0] = float("inf"), float("nan")
+    scales = kernel_module().screen_codes(weight)[1]
+    assert (~torch.isfinite(scales)).nonzero().squeeze(1).tolist() == [9, 20]
+    assert build_screen(weight) is None
 
 
 def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest.MonkeyPatch) -> None:

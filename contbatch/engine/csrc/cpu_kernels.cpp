@@ -137,6 +137,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
 
 // head_screen.cpp
 std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden);
+std::vector<torch::Tensor> screen_codes(const torch::Tensor& weight);
 torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
                             const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
 bool has_vnni();
@@ -170,6 +171,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, kNoGil, "apply_rotary_pos_emb over query and key rows (CPU, float32 or bfloat16)");
   m.def("screen_quantize", &screen_quantize, kNoGil,
         "hidden rows as int8 codes + 128, with their scale and error norms");
+  m.def("screen_codes", &screen_codes, kNoGil, "the head screen's int8 head rows, scales and bound coefficients");
   m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");
   m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");
   m.def("draw_rows", &draw_rows, kNoGil, "one token per row drawn from softmax over the whole row, and its logsumexp");

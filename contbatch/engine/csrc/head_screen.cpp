@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -66,6 +67,63 @@ std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden) {
     }
   });
   return {codes, stats};
+}
+
+template <typename W>
+static void quantize_rows(const W* weight, int64_t vocab, int64_t k, int8_t* codes, float* scales, float* a,
+                          float* c) {
+  const double eps = std::ldexp(1.0, -24), gamma = k * eps / (1 - k * eps);
+  at::parallel_for(0, vocab, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const W* row = weight + j * k;
+      double top = 0.0;
+      bool finite = true;
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = static_cast<float>(row[i]);
+        finite = finite && std::isfinite(v);
+        top = std::max(top, std::fabs(static_cast<double>(v)));
+      }
+      if (!finite) {
+        scales[j] = a[j] = c[j] = NAN;
+        continue;
+      }
+      const double scale = up(std::max(top / 127.0, static_cast<double>(std::numeric_limits<float>::min())));
+      double codes_sq = 0.0, residual_sq = 0.0, weight_sq = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double v = static_cast<float>(row[i]);
+        const double q = std::clamp(std::nearbyint(v / scale), -127.0, 127.0);
+        codes[j * k + i] = static_cast<int8_t>(q);
+        codes_sq += q * q;
+        residual_sq += (v - scale * q) * (v - scale * q);
+        weight_sq += v * v;
+      }
+      scales[j] = static_cast<float>(scale);
+      a[j] = up(scale * std::sqrt(codes_sq) * (1.0 + 1e-9));
+      c[j] = up((std::sqrt(residual_sq) + gamma * std::sqrt(weight_sq)) * (1.0 + 1e-9));
+    }
+  });
+}
+
+// weight [V, K] float32 or bfloat16 -> (codes [V, K] int8, scales, a, c [V] float32), in double per row (a row that
+// is not finite gets NaN scale and coefficients, its codes unset):
+// s_j = max |W_j| / 127 (at least the smallest normal float32) rounded up to float32, q_j = W_j / s_j rounded half to
+// even and clamped to [-127, 127], r_j = W_j - s_j q_j, and the bound's a_j = s_j |q_j|_2 and c_j = |r_j|_2 +
+// gamma_K |W_j|_2, each times 1 + 1e-9 and rounded up to float32.
+std::vector<torch::Tensor> screen_codes(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous());
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
+  const int64_t vocab = weight.size(0), k = weight.size(1);
+  auto codes = torch::empty({vocab, k}, weight.options().dtype(torch::kInt8));
+  auto options = weight.options().dtype(torch::kFloat32);
+  auto scales = torch::empty({vocab}, options), a = torch::empty({vocab}, options), c = torch::empty({vocab}, options);
+  int8_t* q = codes.data_ptr<int8_t>();
+  if (weight.scalar_type() == torch::kBFloat16)
+    quantize_rows(weight.data_ptr<c10::BFloat16>(), vocab, k, q, scales.data_ptr<float>(), a.data_ptr<float>(),
+                  c.data_ptr<float>());
+  else
+    quantize_rows(weight.data_ptr<float>(), vocab, k, q, scales.data_ptr<float>(), a.data_ptr<float>(),
+                  c.data_ptr<float>());
+  return {codes, scales, a, c};
 }
 
 // A row's screen: approx_j = t scaled_j and bound_j = a_j err + c_j norm + kMargin |approx_j|, where err and norm
