@@ -10,6 +10,7 @@ from contbatch.engine.batch import ScheduledRequest
 from contbatch.engine.outputs import PromptLogprob
 
 LOG_SOFTMAX_ROWS = 256
+LOG_SOFTMAX_BYTES = 64 << 20
 
 
 def prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> list[torch.Tensor]:
@@ -26,10 +27,10 @@ def prompt_rows(scheduled: list[ScheduledRequest], offsets: torch.Tensor) -> lis
 
 def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, list[PromptLogprob]]:
     """The entries of every prompt logprobs task of `scheduled` from `rows`, their logits rows in batch order
-    (see `prompt_rows`): log_softmax in float32 of at most LOG_SOFTMAX_ROWS rows at a time (so the float32
-    block stays small whatever the chunk; on CPU, a block above `head_buffer.REUSED_OUTPUT_BYTES` goes into the
-    thread's reused "log_softmax" buffer instead of a fresh mapping whose pages all fault), the scored token's
-    logprob and the top `num_top` gathered on the device, then one transfer to the CPU."""
+    (see `prompt_rows`): log_softmax in float32 of at most LOG_SOFTMAX_ROWS rows and LOG_SOFTMAX_BYTES at a time
+    (so the float32 block stays small whatever the chunk; on CPU, a block above `head_buffer.REUSED_OUTPUT_BYTES`
+    goes into the thread's reused "log_softmax" buffer instead of a fresh mapping whose pages all fault), the scored
+    token's logprob and the top `num_top` gathered on the device, then one transfer to the CPU."""
     tasks = [(entry.request_id, entry.prompt_logprobs) for entry in scheduled if entry.prompt_logprobs is not None]
     if not tasks:
         return {}
@@ -39,8 +40,9 @@ def prompt_logprobs(rows: torch.Tensor, scheduled: list[ScheduledRequest]) -> di
     chosen = torch.empty(len(targets), dtype=torch.float32, device=rows.device)
     top_values = torch.empty(len(targets), num_top, dtype=torch.float32, device=rows.device)
     top_ids = torch.empty(len(targets), num_top, dtype=torch.long, device=rows.device)
-    for start in range(0, len(targets), LOG_SOFTMAX_ROWS):
-        end = min(start + LOG_SOFTMAX_ROWS, len(targets))
+    step = max(1, min(LOG_SOFTMAX_ROWS, LOG_SOFTMAX_BYTES // (rows.shape[-1] * 4)))
+    for start in range(0, len(targets), step):
+        end = min(start + step, len(targets))
         reused = (head_buffer.buffer(end - start, rows.shape[-1], torch.float32, slot="log_softmax")
                   if rows.device.type == "cpu" else None)
         block = torch.log_softmax(rows[start:end], -1, dtype=torch.float32, out=reused)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from contbatch.engine import head_buffer, head_product, packed_weights
+from contbatch.engine import head_buffer, head_product, packed_weights, prompt_logprobs
 from contbatch.outputs import GenerationOutput
 from tests.conftest import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -81,7 +81,7 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
         monkeypatch: pytest.MonkeyPatch, buffered_logits: list[int], use_async_batching: bool,
         slice_columns: int) -> None:
     """Every head product of more than 2 rows goes into the buffer, in chunks of 2 rows over the whole head or (with
-    `slice_columns`) in column slices, and prompt logprobs' log_softmax blocks of more than 2 rows into theirs:
+    `slice_columns`) in column slices, and prompt logprobs' log_softmax blocks (3 rows) into theirs:
     seeded sampling with a repetition penalty, logprobs, top logprobs and prompt logprobs, and greedy requests,
     come out exactly as with fresh logits, synchronous and with async batching's forward thread."""
     model = tiny_model("llama", "cpu")
@@ -90,6 +90,7 @@ def test_steps_with_logits_in_the_buffer_give_the_outputs_of_fresh_logits(
                     prompt_logprobs=2)
     monkeypatch.setattr(head_product, "HEAD_CHUNK_MIN_ROWS", 128 if slice_columns else 1)
     monkeypatch.setattr(head_product, "SLICE_COLUMNS", slice_columns or 1 << 30)
+    monkeypatch.setattr(prompt_logprobs, "LOG_SOFTMAX_BYTES", 3 * VOCAB * 4)
 
     def run(threshold: int) -> tuple[dict[str, GenerationOutput], object]:
         monkeypatch.setattr(head_buffer, "REUSED_OUTPUT_BYTES", threshold)
