@@ -42,6 +42,9 @@ from contbatch.engine.cpu_kernels import kernel_module
 
 logger = logging.getLogger(__name__)
 _EPS32 = 2.0**-24
+CHECK_ROWS = 16
+CHECK_BLOCK = 4096
+EXACT_K = 1024
 SCREENED_DTYPES = (torch.float32, torch.bfloat16)
 _local = threading.local()
 _screens: dict[int, HeadScreen | None] = {}
@@ -175,15 +178,30 @@ def _products_exact(screen: HeadScreen, int8: torch.Tensor) -> bool:
     (every p = 127, every p = -127, alternating) and random ones: int8 products that saturate an int16 sum (older
     instructions) or lose the zero point would fail. Checked both into a fresh tensor and into a used one, as
     `head_buffer.buffer` gives (its earlier contents, here 7s, must not remain)."""
-    rows = 64
     k = int8.shape[1]
     codes = torch.stack([torch.full((k,), 127), torch.full((k,), -127), (torch.arange(k) % 2) * 254 - 127,
-                         *torch.randint(-127, 128, (rows - 3, k), generator=torch.Generator().manual_seed(0))])
-    exact = (codes.double() @ int8.double().T) * screen.scales.double()
+                         *torch.randint(-127, 128, (CHECK_ROWS - 3, k), generator=torch.Generator().manual_seed(0))])
+    exact = _integer_products(codes, int8) * screen.scales.double()
     shifted = (codes + 128).to(torch.uint8)
     used = torch.full(exact.shape, 7.0)
     products = (_int8_product(shifted, screen), _int8_product(shifted, screen, used))
     return all(bool(((scaled.double() - exact).abs() <= 4 * _EPS32 * exact.abs() + 1e-30).all()) for scaled in products)
+
+
+def _integer_products(codes: torch.Tensor, int8: torch.Tensor) -> torch.Tensor:
+    """[rows, V] float64: the exact integer products codes . q_j of `codes` [rows, K] and the int8 rows `int8`
+    [V, K], both within [-127, 127]. Float32 products over at most `EXACT_K` columns are exact (every partial sum
+    is an integer below 2^24, whatever the order), and their sums in float64 too; `int8` is converted a block of
+    `CHECK_BLOCK` rows at a time."""
+    rows, k = codes.shape
+    left = codes.float()
+    exact = torch.zeros(rows, int8.shape[0], dtype=torch.float64)
+    for start in range(0, int8.shape[0], CHECK_BLOCK):
+        block = int8[start:start + CHECK_BLOCK].float()
+        for first in range(0, k, EXACT_K):
+            columns = slice(first, first + EXACT_K)
+            exact[:, start:start + CHECK_BLOCK] += left[:, columns] @ block[:, columns].T
+    return exact
 
 
 def plain_greedy(targets: Sequence[SamplingTarget]) -> bool:

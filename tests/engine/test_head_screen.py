@@ -254,3 +254,18 @@ def test_the_self_check_rejects_a_product_that_is_not_the_weights() -> None:
     assert head_screen._products_exact(screen, codes)
     codes[3, 5] += 1 if codes[3, 5] < 127 else -1
     assert not head_screen._products_exact(screen, codes)
+
+
+def test_the_self_checks_reference_is_exact_beyond_float32s_integers() -> None:
+    """The self-check's integer products are exact where no float32 product can be: 3,001 columns of 127 x 127 sum
+    to 48,403,129, an odd number past 2^25 that float32 cannot hold; over several blocks of head rows and pieces
+    of columns."""
+    generator = torch.Generator().manual_seed(0)
+    k, vocab = 3001, head_screen.CHECK_BLOCK + 904
+    codes = torch.stack([torch.full((k,), 127), torch.full((k,), -127),
+                         *torch.randint(-127, 128, (3, k), generator=generator)])
+    int8 = torch.randint(-127, 128, (vocab, k), generator=generator, dtype=torch.int8)
+    int8[::2] = 127
+    exact = codes.double() @ int8.double().T
+    assert exact[0, 0] == 48_403_129 and float(torch.tensor(48_403_129.0, dtype=torch.float32)) != exact[0, 0]
+    assert torch.equal(head_screen._integer_products(codes, int8), exact)
