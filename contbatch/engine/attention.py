@@ -35,6 +35,7 @@ from contbatch.engine.attention_types import AttentionModule, visible_keys
 from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
+from contbatch.engine.model_support import check_attention_kwargs, check_kv_shape
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SUPPORTED_ATTENTION, shared_prefix_attention
 from contbatch.engine.triton_attention import KERNEL_ENV
 from contbatch.engine.triton_attention import paged_attention as triton_paged_attention
@@ -140,11 +141,13 @@ class PagedAttentionMetadata:
         slot_mapping: [cache groups, num_tokens] for each layer group of the cache, the slot of each token of
             the packed batch.
         groups: the attention groups covering every token of the batch exactly once.
+        attended: the layers that ran the paged attention with it, in call order (`model_support.check_attended`).
     """
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    attended: list[int] = field(default_factory=list)
 
 
 def paged_attention_forward(
@@ -162,12 +165,15 @@ def paged_attention_forward(
     while a step runs), the call goes, arguments untouched, to the implementation the model had when contbatch
     attached (`own_attention`), so the model computes exactly what it computed before attaching."""
     metadata: PagedAttentionMetadata | str | None = kwargs.get(METADATA_KWARG)
+    if metadata is None and getattr(_forward_state, "active", False):
+        metadata = _forward_state.metadata  # a layer that drops the forward's keywords (StableLM's)
     if metadata is None:
         prefix = kwargs.pop(SHARED_PREFIX_KWARG, None)
         if prefix is not None:
             return shared_prefix_attention(_own_attention_function(module), own_attention(module.config) or "",
                                            module, query, key, value, attention_mask, prefix, *args, **kwargs)
         return _own_attention_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
+    check_attention_kwargs(cast(torch.nn.Module, module), kwargs)
     scaling, window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if metadata == COMPILED_MARKER:  # inside a compiled forward: one opaque op, the metadata is the step's
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
@@ -196,6 +202,8 @@ def paged_attention_for_layer(
         # the cache dropped keys this layer would see: never attend over a silently shortened context
         raise RuntimeError(f"layer {layer} attends with window {sliding_window}, but its cache group keeps only "
                            f"the last {kept} positions: the model config's layer_types/sliding_window disagree")
+    check_kv_shape(layer, key, metadata.cache.spec)
+    metadata.attended.append(layer)
     queries = query[0].transpose(0, 1)
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
     if len(metadata.groups) == 1 and metadata.groups[0].whole_batch:
@@ -327,14 +335,15 @@ def paged_attention_mask(*args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def paged_forward() -> Iterator[None]:
-    """Marks the current thread as running contbatch's forward for the duration of the block (the mask builders
-    then stand aside); other threads' forwards are unaffected."""
-    _forward_state.active = True
+def paged_forward(metadata: PagedAttentionMetadata | str) -> Iterator[None]:
+    """Marks the current thread as running contbatch's forward of `metadata` (or `COMPILED_MARKER`) for the
+    duration of the block: the mask builders then stand aside, and a layer whose call drops the forward's
+    keywords attends with it; other threads' forwards are unaffected."""
+    _forward_state.active, _forward_state.metadata = True, metadata
     try:
         yield
     finally:
-        _forward_state.active = False
+        _forward_state.active, _forward_state.metadata = False, None
 
 
 def remember_own_attention(model: torch.nn.Module) -> None:

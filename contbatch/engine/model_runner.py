@@ -36,6 +36,7 @@ from contbatch.engine.head_buffer import reusing_logits
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
+from contbatch.engine.model_support import check_attended
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.packed_weights import packed_forward, weights_changed
 from contbatch.engine.prompt_logprobs import prompt_logprobs, prompt_rows
@@ -83,6 +84,7 @@ class ModelRunner:
         self._previous_attention: str | None = None
         self._prompt_logprobs: dict[str, list[PromptLogprob]] = {}
         self.head_is_final: bool | None = None
+        self.attention_checked = False
         self.attach()
 
     def attach(self) -> None:
@@ -154,17 +156,24 @@ class ModelRunner:
         """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
         weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs
         them itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`), and in the
-        engine's steps (`screen_allowed`) may leave large logits in the thread's reused buffer (`reusing_logits`)."""
+        engine's steps (`screen_allowed`) may leave large logits in the thread's reused buffer (`reusing_logits`).
+        Until one forward has shown every layer attending through contbatch (`check_attended`), each raises
+        `UnsupportedModelError` when some layer did not."""
         compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
         frozen = compiled is not None and compiled.freezes_weights
         fused = compiled is None and self.device.type == "cpu"
-        with (paged_forward(), nullcontext() if frozen else packed_forward(self.model),
+        metadata.attended.clear()
+        published = metadata if compiled is None else COMPILED_MARKER
+        with (paged_forward(published), nullcontext() if frozen else packed_forward(self.model),
               fused_forward(self.model) if fused else nullcontext(), reusing_logits(fused and screen_allowed())):
             if compiled is not None:
                 with step_metadata(metadata):
-                    output = compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: COMPILED_MARKER})
+                    output = compiled(path, **inputs, use_cache=False, **{METADATA_KWARG: published})
             else:
-                output = self.model(**inputs, use_cache=False, **{METADATA_KWARG: metadata})
+                output = self.model(**inputs, use_cache=False, **{METADATA_KWARG: published})
+        if not self.attention_checked:
+            check_attended(self.model, metadata.attended, self.cache.spec.num_layers)
+            self.attention_checked = True
         return output.logits[0]
 
     def weights_replaced(self) -> None:

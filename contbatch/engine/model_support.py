@@ -1,0 +1,79 @@
+"""Which models contbatch's paged attention computes exactly, checked on the model's own forward.
+
+contbatch runs a stock model and replaces only its attention function, so it is exact for a model whose every
+layer attends through transformers' `AttentionInterface` with nothing beyond what the paged attention implements.
+A model whose layers run their own attention code (GPT-J, Falcon, BLOOM) or keep a recurrent state
+(Mamba and hybrid layers) would attend without the cache and give wrong tokens silently; these checks turn that
+into an `UnsupportedModelError` naming what the model does:
+- every layer of the cache must run the paged attention exactly once in the engine's first forward
+  (`check_attended`, from the layers `PagedAttentionMetadata.attended` records);
+- a layer's keys must have the heads and head size its config gave the cache (`check_kv_shape`);
+- a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
+  attention sinks, a position bias, sparse attention's indices).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from contbatch.engine.kv_cache import KVCacheSpec
+
+UNSUPPORTED_ATTENTION_KWARGS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "a position bias",
+    "indices": "sparse attention's indices",
+    "block_indices": "sparse attention's block indices",
+}
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model computes something contbatch's paged attention cannot reproduce; its requests fail with this."""
+
+
+def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Raises `UnsupportedModelError` if the attention function's keywords hold an input it does not implement."""
+    for name in UNSUPPORTED_ATTENTION_KWARGS.keys() & kwargs.keys():
+        if kwargs[name] is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} passes '{name}' ({UNSUPPORTED_ATTENTION_KWARGS[name]}) to its attention "
+                f"function, which contbatch's paged attention does not implement")
+
+
+def check_kv_shape(layer: int, key: torch.Tensor, spec: KVCacheSpec) -> None:
+    """Raises `UnsupportedModelError` if `key` [1, kv_heads, tokens, head_dim] does not fit the cache's `spec`."""
+    heads, head_dim = key.shape[1], key.shape[-1]
+    if heads != spec.num_kv_heads or head_dim != spec.head_dim:
+        raise UnsupportedModelError(
+            f"layer {layer} computes {heads} key/value heads of size {head_dim}, but the KV cache was sized from "
+            f"the model's config for {spec.num_kv_heads} of size {spec.head_dim} (num_key_value_heads, head_dim)")
+
+
+def check_attended(model: torch.nn.Module, attended: Sequence[int], num_layers: int) -> None:
+    """Raises `UnsupportedModelError` unless `attended` (the layers that ran the paged attention in one forward,
+    in call order) holds every layer of `range(num_layers)` exactly once."""
+    counts = Counter(attended)
+    if len(attended) == num_layers and set(counts) == set(range(num_layers)):
+        return
+    name = type(model).__name__
+    missing = [layer for layer in range(num_layers) if layer not in counts]
+    repeated = sorted(layer for layer, count in counts.items() if count > 1)
+    compatible = getattr(model, "is_backend_compatible", None)
+    flag = f"; {name}.is_backend_compatible() is {compatible()}" if callable(compatible) else ""
+    raise UnsupportedModelError(
+        f"{name}: {len(counts)} of its {num_layers} layers ran contbatch's paged attention in a forward"
+        + (f" (missing: {_listed(missing)})" if missing else "")
+        + (f" (more than once: {_listed(repeated)})" if repeated else "")
+        + f". contbatch runs models whose every layer attends through transformers' AttentionInterface; this "
+        f"one's layers do not (their own attention code, or state-space layers{flag}), so its outputs would be "
+        "wrong")
+
+
+def _listed(layers: Sequence[int]) -> str:
+    shown = ", ".join(str(layer) for layer in layers[:8])
+    more = f" and {len(layers) - 8} more" if len(layers) > 8 else ""
+    return ("layer " if len(layers) == 1 else "layers ") + shown + more

@@ -1,0 +1,147 @@
+"""Models beyond the parity suite's families: a model whose layers drop the forward's keywords still attends
+through the cache (greedy equals `generate`, eager and compiled); a model contbatch cannot compute exactly (its
+own attention code, state-space layers, attention sinks, a config that misstates its KV heads) fails each request
+with an `UnsupportedModelError` naming what it does, never with wrong tokens, and leaves the pool whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from contbatch import generate_batch
+from contbatch.engine.model_support import UnsupportedModelError, check_attended
+from contbatch.engine.request import RequestStatus
+from tests.conftest import make_engine, random_prompts, reference_generate, run_engine
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=1024, initializer_range=0.1, num_hidden_layers=2)
+PROMPT_LENGTHS = [5, 17, 33, 3]
+# Families beyond the parity suite's (tests/conftest.py), each as transformers 5 builds it; weights large enough
+# that greedy tokens vary (small random weights repeat one token, which wrong attention could repeat too).
+MORE_FAMILIES: dict[str, dict[str, object]] = {
+    "gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=0.1,
+                 bos_token_id=0, eos_token_id=0),
+    "gpt_neox": {**{k: v for k, v in SMALL.items() if k != "num_key_value_heads"}, "rotary_pct": 0.25},
+    "opt": dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
+                max_position_embeddings=1024, word_embed_proj_dim=64, init_std=0.2),
+    "phi": SMALL,
+    "phi3": dict(SMALL, pad_token_id=0),
+    "gemma": dict(SMALL, head_dim=16, initializer_range=0.2),
+    "olmo2": SMALL,
+    "granite": SMALL,
+    "cohere": SMALL,
+    "starcoder2": dict(SMALL, initializer_range=0.2),
+    "smollm3": dict(SMALL, pad_token_id=0),
+    "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
+}
+
+
+def _model(model_type: str, **config: object) -> PreTrainedModel:
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _run(model: PreTrainedModel, **engine_config: object) -> dict[str, list[int] | str]:
+    """Each prompt's generated tokens, or its error when it failed; asserts the pool is whole afterwards."""
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    with make_engine(model, block_size=4, max_batch_tokens=24, **engine_config) as engine:
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, str(index), max_new_tokens=8)
+        outputs = run_engine(engine)
+    return {key: output.error or "" if output.status == RequestStatus.FAILED else output.generated_tokens
+            for key, output in outputs.items()}
+
+
+@pytest.mark.parametrize("model_type", sorted(MORE_FAMILIES))
+def test_more_families_match_generate(model_type: str) -> None:
+    """Mixed lengths, chunked prefill and decode in one engine (4-token blocks, 24-token budget)."""
+    model = _model(model_type, **MORE_FAMILIES[model_type])
+    results = _run(model)
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_layers_that_drop_the_forwards_keywords_attend_through_the_cache(compiled: bool) -> None:
+    """StableLM's decoder layers call their attention without the forward's keywords (contbatch's metadata
+    among them): the thread's forward hands the metadata over, so chunked prefill and decode match `generate`."""
+    torch._dynamo.reset()
+    model = _model("stablelm", **SMALL)
+    results = _run(model, use_default_compile_configs=compiled)
+    for index, prompt in enumerate(random_prompts(PROMPT_LENGTHS, seed=1)):
+        assert results[str(index)] == reference_generate(model, prompt, 8), index
+
+
+@pytest.mark.parametrize(("model_type", "config"), [
+    ("gptj", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8)),
+    ("bloom", dict(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)),
+    ("falcon", dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)),
+])
+def test_a_model_with_its_own_attention_code_fails_its_requests_by_name(model_type: str,
+                                                                       config: dict[str, object]) -> None:
+    model = _model(model_type, **config)
+    for error in _run(model).values():
+        assert isinstance(error, str)
+        assert error.startswith(f"UnsupportedModelError: {type(model).__name__}: 0 of its 2 layers ran"), error
+        assert "missing: layers 0, 1" in error and "is_backend_compatible() is False" in error
+
+
+def test_state_space_layers_fail_their_requests() -> None:
+    """Jamba's first layer is a Mamba layer, whose state a KV cache cannot hold."""
+    model = _model("jamba", **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, num_experts=2, use_mamba_kernels=False, mamba_d_state=4, mamba_d_conv=2)
+    for error in _run(model).values():
+        assert isinstance(error, str) and "JambaForCausalLM: 1 of its 2 layers ran" in error, error
+        assert "(missing: layer 0)" in error
+
+
+def test_attention_sinks_fail_their_requests() -> None:
+    model = _model("gpt_oss", **SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
+                   layer_types=["sliding_attention", "full_attention"])
+    for error in _run(model).values():
+        assert error == ("UnsupportedModelError: GptOssAttention passes 's_aux' (attention sinks) to its attention "
+                         "function, which contbatch's paged attention does not implement")
+
+
+def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
+    """GPT-NeoX has no grouped-query attention; a stray num_key_value_heads in its config would size the cache for
+    2 heads where the layers compute 4."""
+    model = _model("gpt_neox", **SMALL)
+    for error in _run(model).values():
+        assert error == ("UnsupportedModelError: layer 0 computes 4 key/value heads of size 16, but the KV cache "
+                         "was sized from the model's config for 2 of size 16 (num_key_value_heads, head_dim)")
+
+
+def test_generate_batch_reports_an_unsupported_model_in_every_output() -> None:
+    model = _model("gptj", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8)
+    outputs = generate_batch(model, random_prompts([4, 9]), GenerationConfig(max_new_tokens=3, do_sample=False),
+                             progress_bar=False)
+    assert [output.status for output in outputs.values()] == [RequestStatus.FAILED] * 2
+    assert all("GPTJForCausalLM: 0 of its 2 layers" in (output.error or "") for output in outputs.values())
+
+
+def test_check_attended_names_missing_and_repeated_layers() -> None:
+    check_attended(torch.nn.Module(), [0, 1, 2], 3)
+    with pytest.raises(UnsupportedModelError, match=r"Module: 2 of its 3 layers ran .* \(missing: layer 2\) "
+                                                    r"\(more than once: layer 0\)\. .*state-space layers\), so"):
+        check_attended(torch.nn.Module(), [0, 0, 1], 3)
+    with pytest.raises(UnsupportedModelError, match=r"\(missing: layers 0, 1, 2, 3, 4, 5, 6, 7 and 2 more\)"):
+        check_attended(torch.nn.Module(), [], 10)
+
+
+def test_the_check_runs_until_a_forward_passes_it() -> None:
+    model = _model("llama", **SMALL)
+    with make_engine(model, block_size=4) as engine:
+        assert not engine.model_runner.attention_checked
+        engine.add_request([5, 6, 7], "r", max_new_tokens=2)
+        run_engine(engine)
+        assert engine.model_runner.attention_checked
