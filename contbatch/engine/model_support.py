@@ -62,12 +62,14 @@ def check_attended(model: torch.nn.Module, attended: Sequence[int], num_layers: 
     name = type(model).__name__
     missing = [layer for layer in range(num_layers) if layer not in counts]
     repeated = sorted(layer for layer, count in counts.items() if count > 1)
+    unknown = sorted(layer for layer in counts if not 0 <= layer < num_layers)
     compatible = getattr(model, "is_backend_compatible", None)
     flag = f"; {name}.is_backend_compatible() is {compatible()}" if callable(compatible) else ""
     raise UnsupportedModelError(
-        f"{name}: {len(counts)} of its {num_layers} layers ran contbatch's paged attention in a forward"
+        f"{name}: {len(counts) - len(unknown)} of its {num_layers} layers ran contbatch's paged attention in a forward"
         + (f" (missing: {_listed(missing)})" if missing else "")
         + (f" (more than once: {_listed(repeated)})" if repeated else "")
+        + (f" (not among its layers: {_listed(unknown)})" if unknown else "")
         + f". contbatch runs models whose every layer attends through transformers' AttentionInterface; this "
         f"one's layers do not (their own attention code, or state-space layers{flag}), so its outputs would be "
         "wrong")

@@ -136,6 +136,9 @@ def test_check_attended_names_missing_and_repeated_layers() -> None:
         check_attended(torch.nn.Module(), [0, 0, 1], 3)
     with pytest.raises(UnsupportedModelError, match=r"\(missing: layers 0, 1, 2, 3, 4, 5, 6, 7 and 2 more\)"):
         check_attended(torch.nn.Module(), [], 10)
+    with pytest.raises(UnsupportedModelError, match=r"Module: 0 of its 2 layers ran .* \(missing: layers 0, 1\) "
+                                                    r"\(not among its layers: layer 2\)\."):
+        check_attended(torch.nn.Module(), [2], 2)
 
 
 def test_the_check_runs_until_a_forward_passes_it() -> None:
