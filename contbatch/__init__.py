@@ -9,6 +9,7 @@ from contbatch.api import (
 )
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.engine import LLMEngine
+from contbatch.engine.model_support import UnsupportedModelError
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.structured import StructuredOutput
 from contbatch.frontend.async_client import AsyncClient, ChoiceOutput
@@ -32,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "Telemetry",
+    "UnsupportedModelError",
     "add_continuous_batching",
     "continuous_batching_context_manager",
     "generate_batch",

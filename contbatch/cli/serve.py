@@ -32,7 +32,7 @@ output tok/s and a median time to first token half of the unbounded one's; 64 co
 SERVE_COMPILE = {"cpu": True}
 """Whether `contbatch serve` compiles the forward when neither `--compile` nor `--no-compile` is given, by device
 type (others: off). A server runs long enough to repay the compile, which it does before it listens
-(`compile_before_serving`). On the serving benchmark, compiled, it served 1.16-1.21x vLLM's output tok/s; eager
+(`warm_up_before_serving`). On the serving benchmark, compiled, it served 1.16-1.21x vLLM's output tok/s; eager
 1.09-1.10x, in the same hour (docs/performance.md)."""
 
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps"
@@ -86,29 +86,38 @@ def serve_config(args: argparse.Namespace, device: torch.device) -> ContinuousBa
                                                           "decode_compile_config": served})
 
 
-def compile_before_serving(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+class WarmUpFailed(RuntimeError):
+    """A warm-up request failed: the server would fail its clients' requests the same way."""
+
+
+def warm_up_before_serving(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                            config: ContinuousBatchingConfig) -> float | None:
-    """Compiles the forwards `config` asks for before the server takes its first request, so that no client waits
-    on a compile: it runs a prefill and decode steps of two requests, whose graph serves every later step (steps
-    of one token or logits row are padded to two, `pad_for_compile`). The compiled graphs are the model's, shared
-    by every engine on it, so this runs on an engine of its own with a few cache blocks. Returns the seconds it
-    took, or None when no path is compiled (by `config`, or by the model's generation config:
+    """Runs a prefill and decode steps of two requests before the server takes its first request, on an engine of
+    its own with a few cache blocks. They compile the forwards `config` asks for, so that no client waits on a
+    compile (their graph serves every later step: steps of one token or logits row are padded to two,
+    `pad_for_compile`; the compiled graphs are the model's, shared by every engine on it). They also show that the
+    model runs at all: a model contbatch cannot compute exactly fails them (`UnsupportedModelError`), and this
+    raises `WarmUpFailed` with that error instead of a server that fails every request. Returns the seconds the
+    warm-up took when it compiled, else None (no path compiled, by `config` or by the model's generation config:
     `engine_compile_paths`)."""
-    if not engine_compile_paths(config, model.generation_config):
-        return None
+    compiles = bool(engine_compile_paths(config, model.generation_config))
     ids = tokenizer.encode(WARM_UP_TEXT, add_special_tokens=False)
     blocks = 2 * -(-(len(ids) + WARM_UP_NEW_TOKENS) // config.block_size) + 2
     warm = ContinuousBatchingConfig.from_sources(config, {"num_blocks": blocks, "max_queue_size": 0})
     generation = GenerationConfig(max_new_tokens=WARM_UP_NEW_TOKENS, min_new_tokens=WARM_UP_NEW_TOKENS,
                                   do_sample=False)
     start = time.perf_counter()
-    generate_batch(model, [ids[:5], ids[:9]], generation_config=generation, continuous_batching_config=warm,
-                   progress_bar=False)
-    return time.perf_counter() - start
+    outputs = generate_batch(model, [ids[:5], ids[:9]], generation_config=generation,
+                             continuous_batching_config=warm, progress_bar=False)
+    failed = [output.error for output in outputs.values() if output.error]
+    if failed:
+        raise WarmUpFailed(f"a warm-up request failed: {failed[0]}")
+    return time.perf_counter() - start if compiles else None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Run `contbatch serve` until the server shuts down (the engine is stopped on the way out); return 0."""
+    """Run `contbatch serve` until the server shuts down (the engine is stopped on the way out); return 0. Raises
+    `WarmUpFailed` before listening when the warm-up requests fail."""
     import uvicorn
 
     from contbatch.data.embedded import load_model_and_tokenizer
@@ -118,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     config = serve_config(args, model.device)
-    seconds = compile_before_serving(model, tokenizer, config)
+    seconds = warm_up_before_serving(model, tokenizer, config)
     if seconds is not None:
         print(f"contbatch serve: compiled the forward in {seconds:.1f} s (--no-compile: eager)", file=sys.stderr,
               flush=True)

@@ -32,7 +32,11 @@ UNSUPPORTED_ATTENTION_KWARGS = {
 
 
 class UnsupportedModelError(RuntimeError):
-    """The model computes something contbatch's paged attention cannot reproduce; its requests fail with this."""
+    """The model computes something contbatch's paged attention cannot reproduce; its requests fail with this
+    (their `error` starts with `UNSUPPORTED_PREFIX`)."""
+
+
+UNSUPPORTED_PREFIX = f"{UnsupportedModelError.__name__}: "
 
 
 def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:

@@ -11,6 +11,7 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.data.prompts import as_token_ids
+from contbatch.engine.model_support import UNSUPPORTED_PREFIX, UnsupportedModelError
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.jobs.items import JobItem
 from contbatch.jobs.records import error_record, result_record
@@ -97,7 +98,10 @@ class RecordStream:
     At most `settings.max_in_flight` items are submitted and unfinished at any time, so the input is read only
     as fast as it is generated. An item that cannot run (an error item, a prompt the tokenizer or the manager
     refuses, an oversize prompt) and an item whose request fails yield an error record; the stream goes on. A
-    request cancelled because the manager stopped raises RuntimeError: it did not finish, so nothing is written.
+    request cancelled because the manager stopped raises RuntimeError: it did not finish, so nothing is written. A
+    request failed by the model (`UnsupportedModelError`: a model contbatch cannot compute exactly) raises that
+    error, and nothing is written for it: every item would fail alike, and a later run with another model must
+    not skip them as done.
 
     With `shared=True` several streams may run on one manager at once (from several threads): each takes only
     its own requests' outputs, waiting on its oldest request first."""
@@ -200,6 +204,8 @@ class RecordStream:
         failed = next((o for o in outputs if o.status != RequestStatus.FINISHED), None)
         if failed is not None:
             reason = failed.error or f"the request ended {failed.status.name}"
+            if reason.startswith(UNSUPPORTED_PREFIX):  # the model's, not the item's: every item would fail alike
+                raise UnsupportedModelError(reason.removeprefix(UNSUPPORTED_PREFIX))
             return Finished(error_record(pending.item, reason), True)
         generated = sum(len(o.generated_tokens) for o in outputs)
         record = result_record(pending.item, pending.texts, [o.finish_reason for o in outputs],

@@ -1,5 +1,5 @@
-"""Each input format gives the same completions for the same prompts; Parquet output; per-line failures;
-OpenAI batch files round-trip through the `openai` package's types."""
+"""Each input format gives the same completions for the same prompts; Parquet output; per-line failures, and a
+model's failure ending the job; OpenAI batch files round-trip through the `openai` package's types."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from pathlib import Path
 
 import datasets
 import pyarrow.parquet as pq
+import pytest
+import torch
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
+from transformers import GPTJConfig, GPTJForCausalLM
 
+from contbatch import UnsupportedModelError
 from contbatch.jobs import JobSettings
 from tests.jobs.conftest import by_id, job, read_jsonl, write_jsonl
 
@@ -83,3 +87,15 @@ def test_openai_batch_file_round_trip(tiny, tmp_path: Path) -> None:
     assert lines["chat-1"]["response"]["status_code"] == 200 and lines["chat-1"]["error"] is None
     error = BatchError.model_validate(lines["emb-1"]["error"])
     assert lines["emb-1"]["response"] is None and "/v1/embeddings" in (error.message or "")
+
+
+def test_a_model_contbatch_cannot_run_ends_the_job_without_writing_its_lines(tiny, tmp_path: Path) -> None:
+    """The model's error is not a line's: the job raises it, and no line claims those ids as done."""
+    _, tokenizer = tiny
+    torch.manual_seed(0)
+    gptj = GPTJForCausalLM(GPTJConfig(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
+                                      rotary_dim=8, bos_token_id=0, eos_token_id=0)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"^GPTJForCausalLM: 0 of its 2 layers ran"):
+        job((gptj, tokenizer), write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl",
+            JobSettings(model="gptj", max_new_tokens=4, id_field="key"))
+    assert read_jsonl(tmp_path / "out.jsonl") == []

@@ -1,11 +1,26 @@
 """`contbatch serve`'s engine configuration: the serving token budget, the prompts' share of a step while requests
-decode and the compile on CPU, the flags that override them, and the compile done before the server listens."""
+decode and the compile on CPU, the flags that override them, and the warm-up done before the server listens (its
+compile, and its refusal of a model contbatch cannot run)."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    GPTJConfig,
+    GPTJForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.cli import build_parser
@@ -14,9 +29,11 @@ from contbatch.cli.serve import (
     SERVE_COMPILE,
     SERVE_MAX_BATCH_TOKENS,
     SERVE_PREFILL_TOKENS_WHILE_DECODING,
-    compile_before_serving,
+    WarmUpFailed,
     serve_config,
+    warm_up_before_serving,
 )
+from contbatch.data.embedded import embedded_model_dir
 from contbatch.engine.compile import SHARED_ATTRIBUTE, served_compile_config
 from contbatch.engine.engine import DEFAULT_MAX_BATCH_TOKENS
 
@@ -78,14 +95,14 @@ class _Tokenizer:
         return [3 + ord(char) % 300 for char in text]
 
 
-def test_compile_before_serving_compiles_every_graph_the_server_then_meets() -> None:
+def test_the_warm_up_compiles_every_graph_the_server_then_meets() -> None:
     """After the warm-up, a lone request and a batch of requests (prefill and decode steps of one and of several
     requests) through the served manager compile nothing more, and their greedy tokens are `generate`'s."""
     model = _tiny_model()
-    assert compile_before_serving(model, _Tokenizer(), ContinuousBatchingConfig()) is None
+    assert warm_up_before_serving(model, _Tokenizer(), ContinuousBatchingConfig()) is None
     assert SHARED_ATTRIBUTE not in model.__dict__
     config = _config("--block-size", "16", "--num-blocks", "64")
-    seconds = compile_before_serving(model, _Tokenizer(), config)
+    seconds = warm_up_before_serving(model, _Tokenizer(), config)
     assert seconds is not None and seconds > 0
     (compiled,) = model.__dict__[SHARED_ATTRIBUTE].values()
     assert set(compiled.compile_seconds) == {"varlen", "decode"}
@@ -106,3 +123,33 @@ def test_compile_before_serving_compiles_every_graph_the_server_then_meets() -> 
                                    max_new_tokens=len(output.generated_tokens), do_sample=False, eos_token_id=None)
         assert output.generated_tokens == reference[0, len(prompt):].tolist()
     assert manager.engine.block_pool.is_whole
+
+
+def _gptj(vocab_size: int) -> PreTrainedModel:
+    """A tiny GPT-J: its layers run their own attention code, which contbatch cannot compute exactly."""
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=256, rotary_dim=8,
+                        bos_token_id=0, eos_token_id=0)
+    return GPTJForCausalLM(config).eval()
+
+
+def test_a_failed_warm_up_request_names_its_error() -> None:
+    """Eager (no compile) too: the warm-up runs whatever the config, and a model contbatch cannot run fails it."""
+    with pytest.raises(WarmUpFailed, match=r"a warm-up request failed: UnsupportedModelError: GPTJForCausalLM: "
+                                           r"0 of its 2 layers ran contbatch's paged attention"):
+        warm_up_before_serving(_gptj(320), _Tokenizer(), ContinuousBatchingConfig())
+
+
+def test_serve_exits_instead_of_listening_for_a_model_it_cannot_run(tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    _gptj(len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "contbatch.cli", "serve", "--model", str(tmp_path), "--no-compile",
+                           "--port", str(port)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2
+    assert ("contbatch serve: error: a warm-up request failed: UnsupportedModelError: GPTJForCausalLM: 0 of its 2 "
+            "layers") in done.stderr
+    assert "Uvicorn running" not in done.stderr
