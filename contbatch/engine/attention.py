@@ -25,17 +25,21 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from contbatch.engine.attention_math import group_attention
 from contbatch.engine.attention_types import AttentionModule, visible_keys
 from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
-from contbatch.engine.model_support import check_attention_kwargs, check_kv_shape
+from contbatch.engine.model_support import (
+    UnsupportedModelError,
+    attention_sinks,
+    check_attention_kwargs,
+    check_kv_shape,
+)
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SUPPORTED_ATTENTION, shared_prefix_attention
 from contbatch.engine.triton_attention import KERNEL_ENV
 from contbatch.engine.triton_attention import paged_attention as triton_paged_attention
@@ -44,7 +48,6 @@ from contbatch.engine.triton_attention import usable_on as triton_usable_on
 ATTENTION_NAME = "contbatch_paged"
 METADATA_KWARG = "contbatch_metadata"
 
-_GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _own_attention: dict[int, tuple[weakref.ReferenceType[PretrainedConfig], str]] = {}
 _forward_state = threading.local()
 
@@ -175,13 +178,15 @@ def paged_attention_forward(
         return _own_attention_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
     check_attention_kwargs(cast(torch.nn.Module, module), kwargs)
     scaling, window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
+    sinks = attention_sinks(cast(torch.nn.Module, module), kwargs, query.shape[1])
     if metadata == COMPILED_MARKER:  # inside a compiled forward: one opaque op, the metadata is the step's
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         output = paged_attention_op(query, key, value, module.layer_idx, scale, int(window or 0),
-                                    float(softcap or 0.0))
+                                    float(softcap or 0.0), sinks)
         return output, None
     assert isinstance(metadata, PagedAttentionMetadata)
-    return paged_attention_for_layer(module.layer_idx, query, key, value, metadata, scaling, window, softcap), None
+    return paged_attention_for_layer(module.layer_idx, query, key, value, metadata, scaling, window, softcap,
+                                     sinks), None
 
 
 def paged_attention_for_layer(
@@ -193,9 +198,10 @@ def paged_attention_for_layer(
     scaling: float | None,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes `layer`'s new K/V into the cache, then attends every group of the batch over its context; returns
-    [1, tokens, heads, head_dim]."""
+    [1, tokens, heads, head_dim]. `sinks` ([heads] float32): each head's sink logit (`attention_math`)."""
     cache_group = metadata.cache.layer_group[layer]
     kept = metadata.cache.groups[cache_group].sliding_window
     if kept is not None and (sliding_window is None or sliding_window > kept):
@@ -208,11 +214,11 @@ def paged_attention_for_layer(
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
     if len(metadata.groups) == 1 and metadata.groups[0].whole_batch:
         return _attend_group(metadata.groups[0], cache_group, queries, metadata.cache, layer, sliding_window,
-                             scaling, softcap).unsqueeze(0)
+                             scaling, softcap, sinks).unsqueeze(0)
     output = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)  # contiguous, as the op's fake
     for group in metadata.groups:
         attended = _attend_group(group, cache_group, queries, metadata.cache, layer, sliding_window, scaling,
-                                 softcap)
+                                 softcap, sinks)
         if group.real_queries is None:
             output.index_copy_(0, group.query_rows, attended)
         else:
@@ -230,6 +236,7 @@ def _attend_group(
     sliding_window: int | None,
     scaling: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention of one group in `layer` (of cache group `cache_group`); returns
     [batch_size * num_queries, heads, head_dim]."""
@@ -246,18 +253,16 @@ def _attend_group(
         lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries,
                                            group.row_requests)
         scale = head_dim**-0.5 if scaling is None else scaling
+        extra = {} if sinks is None else {"sinks": sinks}
+        if sinks is not None and kernel is triton_paged_attention:
+            raise UnsupportedModelError(f"attention sinks are not in the Triton kernel: unset {KERNEL_ENV}")
         return kernel(q, cache.keys[layer], cache.values[layer], kv_slots.view(batch, context), lengths, first,
-                      scale, softcap or 0.0, num_queries, *ragged)
+                      scale, softcap or 0.0, num_queries, *ragged, **extra)
     keys, values = cache.gather(layer, kv_slots, batch, context)
     q = q.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     mask = layout.mask(group.query_positions, sliding_window)
-    if softcap:
-        out = _softcapped_attention(q, keys, values, mask, scaling, softcap)
-    elif q.device.type == "cuda":
-        out = _folded_gqa_attention(q, keys, values, mask, scaling)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    out = group_attention(q, keys, values, mask, scaling, softcap, sinks)
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
 
 
@@ -285,37 +290,6 @@ def _kernel_for(q: torch.Tensor, cache: PagedKVCache) -> DecodeKernel | None:
     if cache.spec.dtype != q.dtype:
         return None
     return paged_decode_kernel()
-
-
-def _folded_gqa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None
-) -> torch.Tensor:
-    """SDPA on a GPU with the query heads of each KV head folded into its query length ([batch, kv_heads,
-    groups * queries, head_dim]): no K/V is repeated and the memory-efficient kernel takes the mask. cuDNN's
-    kernel is left out: it builds a plan for every new shape, about 2 ms of CPU a call. Query head h reads KV head
-    h // groups, as transformers' `repeat_kv`."""
-    batch, heads, num_queries, head_dim = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    folded = q.reshape(batch, kv_heads, groups * num_queries, head_dim)
-    length = mask.shape[-1]
-    mask = mask.unsqueeze(2).expand(batch, 1, groups, num_queries, length).reshape(batch, 1, -1, length)
-    with sdpa_kernel(_GPU_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, num_queries, head_dim)
-
-
-def _softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float
-) -> torch.Tensor:
-    """Attention with logits soft-capped as softcap * tanh(logits / softcap) (Gemma 2), which SDPA lacks."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.matmul(logits.softmax(-1, dtype=torch.float32).to(v.dtype), v)
 
 
 def paged_attention_mask(*args: Any, **kwargs: Any) -> Any:

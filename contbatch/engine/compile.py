@@ -1,8 +1,8 @@
 """The model's forward under `torch.compile`, with contbatch's paged attention as one opaque custom op.
 
 The stock model is compiled as it is; inside the graph each layer's attention is the op
-`contbatch::paged_attention(query, key, value, layer, scaling, sliding_window, softcap)`, so the graph does not
-break at attention. What the op needs beyond its tensors (block tables, slots, the cache) is the step's
+`contbatch::paged_attention(query, key, value, layer, scaling, sliding_window, softcap, sinks)`, so the graph does
+not break at attention. What the op needs beyond its tensors (block tables, slots, the cache) is the step's
 `PagedAttentionMetadata`, which the model runner publishes for the duration of the forward (`step_metadata`):
 it changes every step and must not become a guard or a constant of the graph.
 
@@ -50,30 +50,31 @@ def step_metadata(metadata: Any) -> Iterator[None]:
 
 
 def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
-                     sliding_window: int, softcap: float) -> torch.Tensor:
+                     sliding_window: int, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     from contbatch.engine.attention import paged_attention_for_layer
 
     metadata = getattr(_step, "metadata", None)
     if metadata is None:
         raise RuntimeError("contbatch::paged_attention ran outside a contbatch step")
     output = paged_attention_for_layer(layer, query, key, value, metadata, scaling, sliding_window or None,
-                                       softcap or None)
+                                       softcap or None, sinks)
     return output.contiguous()  # the strides the fake promises, whatever layout an attention kernel returned
 
 
 def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
-                          sliding_window: int, softcap: float) -> torch.Tensor:
+                          sliding_window: int, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
 paged_attention_op = define_op(
     "paged_attention",
-    "(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, float softcap) -> Tensor",
+    "(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, float softcap, "
+    "Tensor? sinks=None) -> Tensor",
     _paged_attention, _paged_attention_fake,
 )
 """contbatch's paged attention of `layer` for the current step (`step_metadata`) as the op
 `contbatch::paged_attention`: writes the layer's K/V into the cache and returns [1, tokens, heads, head_dim].
-`sliding_window` and `softcap` are 0 when unset."""
+`sliding_window` and `softcap` are 0 when unset; `sinks` ([heads] float32) are gpt-oss's attention sinks."""
 
 
 def default_compile_config() -> CompileConfig:

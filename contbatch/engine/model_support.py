@@ -9,7 +9,8 @@ into an `UnsupportedModelError` naming what the model does:
   (`check_attended`, from the layers `PagedAttentionMetadata.attended` records);
 - a layer's keys must have the heads and head size its config gave the cache (`check_kv_shape`);
 - a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
-  attention sinks, a position bias, sparse attention's indices).
+  another form of attention sinks, a position bias, sparse attention's indices); gpt-oss's sinks (`s_aux`) it
+  implements (`attention_sinks`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from contbatch.engine.kv_cache import KVCacheSpec
 
 UNSUPPORTED_ATTENTION_KWARGS = {
-    "s_aux": "attention sinks",
     "sinks": "attention sinks",
     "position_bias": "a position bias",
     "indices": "sparse attention's indices",
@@ -46,6 +46,20 @@ def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -
             raise UnsupportedModelError(
                 f"{type(module).__name__} passes '{name}' ({UNSUPPORTED_ATTENTION_KWARGS[name]}) to its attention "
                 f"function, which contbatch's paged attention does not implement")
+
+
+def attention_sinks(module: torch.nn.Module, kwargs: Mapping[str, Any], num_heads: int) -> torch.Tensor | None:
+    """The layer's attention sinks (gpt-oss's `s_aux`: one logit per query head, added to its softmax's
+    denominator) as a contiguous float32 [num_heads] tensor, or None; raises `UnsupportedModelError` for another
+    shape."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise UnsupportedModelError(f"{type(module).__name__} passes attention sinks 's_aux' of shape {shape}; "
+                                    f"contbatch takes one per query head ({num_heads})")
+    return sinks.detach().float().contiguous()
 
 
 def check_kv_shape(layer: int, key: torch.Tensor, spec: KVCacheSpec) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from contbatch.engine import attention
+from contbatch.engine import attention, attention_math
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.cuda_graphs import (
     PRESET_BATCH_INTERVAL,
@@ -248,7 +248,7 @@ def test_folded_grouped_query_attention_equals_sdpa_with_gqa(num_queries: int) -
     positions = torch.tensor([[4], [10], [7]]) + torch.arange(num_queries) - num_queries + 1
     mask = (torch.arange(length) <= positions.unsqueeze(-1)).unsqueeze(1)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
-    folded = attention._folded_gqa_attention(q, k, v, mask, 0.3)
+    folded = attention_math.folded_gqa_attention(q, k, v, mask, 0.3)
     torch.testing.assert_close(folded, expected, rtol=1e-5, atol=1e-5)
 
 

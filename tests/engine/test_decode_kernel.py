@@ -14,9 +14,10 @@ BLOCK = 16
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               lengths: torch.Tensor, first: torch.Tensor, scale: float, softcap: float,
-              queries_per_request: int = 1) -> torch.Tensor:
+              queries_per_request: int = 1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[R, H, D] attention of each query row r over positions first[r]..lengths[r]-1 of its request's slots
-    (request r // queries_per_request), in float64."""
+    (request r // queries_per_request), in float64; with `sinks` [H], each head's sink logit joins its softmax
+    and its probability is dropped (gpt-oss)."""
     batch, heads, _ = query.shape
     group = heads // keys.shape[0]
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -27,7 +28,10 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
         logits = torch.einsum("hd,hnd->hn", query[b].double(), k) * scale
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
-        out[b] = torch.einsum("hn,hnd->hd", logits.softmax(-1), v)
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.double()[:, None]], dim=-1)
+        probs = logits.softmax(-1)[:, :rows.numel()]
+        out[b] = torch.einsum("hn,hnd->hd", probs, v)
     return out
 
 
@@ -41,9 +45,12 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     (1, 7, 80, 0.0),   # with 16 lanes: scores of 3 + 3 + 1 heads, columns 4 vectors then 1
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype,
+                                  with_sinks: bool) -> None:
     """float32 within float32 rounding of the float64 result; bfloat16 (cache, query and output; float32
-    arithmetic inside) within one bfloat16 rounding of the float64 result on the same bfloat16 values."""
+    arithmetic inside) within one bfloat16 rounding of the float64 result on the same bfloat16 values. With
+    sinks, some far above a row's logits (the row's output then near 0) and some far below."""
     kernel = paged_decode_kernel()
     assert kernel is not None
     generator = torch.Generator().manual_seed(kv_heads * 100 + dim)
@@ -59,8 +66,9 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
     scale = dim**-0.5
     query, keys, values = query.to(dtype), keys.to(dtype), values.to(dtype)
-    got = kernel(query, keys, values, slots, lengths, first, scale, softcap, 1)
-    expected = reference(query, keys, values, slots, lengths, first, scale, softcap)
+    sinks = (torch.randn(kv_heads * group, generator=generator) * 6).float() if with_sinks else None
+    got = kernel(query, keys, values, slots, lengths, first, scale, softcap, 1, sinks=sinks)
+    expected = reference(query, keys, values, slots, lengths, first, scale, softcap, sinks=sinks)
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

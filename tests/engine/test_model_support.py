@@ -1,7 +1,8 @@
 """Models beyond the parity suite's families: a model whose layers drop the forward's keywords still attends
-through the cache (greedy equals `generate`, eager and compiled); a model contbatch cannot compute exactly (its
-own attention code, state-space layers, attention sinks, a config that misstates its KV heads) fails each request
-with an `UnsupportedModelError` naming what it does, never with wrong tokens, and leaves the pool whole."""
+through the cache (greedy equals `generate`, eager and compiled), gpt-oss's attention sinks are computed (every
+attention path); a model contbatch cannot compute exactly (its own attention code, state-space layers, attention
+inputs it does not implement, a config that misstates its KV heads) fails each request with an
+`UnsupportedModelError` naming what it does, never with wrong tokens, and leaves the pool whole."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from contbatch import generate_batch
-from contbatch.engine.model_support import UnsupportedModelError, check_attended
+from contbatch.engine import attention
+from contbatch.engine.model_support import (
+    UnsupportedModelError,
+    attention_sinks,
+    check_attended,
+    check_attention_kwargs,
+)
 from contbatch.engine.request import RequestStatus
 from tests.conftest import make_engine, random_prompts, reference_generate, run_engine
 
@@ -104,12 +111,41 @@ def test_state_space_layers_fail_their_requests() -> None:
         assert "(missing: layer 0)" in error
 
 
-def test_attention_sinks_fail_their_requests() -> None:
-    model = _model("gpt_oss", **SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
-                   layer_types=["sliding_attention", "full_attention"])
-    for error in _run(model).values():
-        assert error == ("UnsupportedModelError: GptOssAttention passes 's_aux' (attention sinks) to its attention "
-                         "function, which contbatch's paged attention does not implement")
+GPT_OSS = dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
+               layer_types=["sliding_attention", "full_attention"], initializer_range=0.3)
+
+
+@pytest.mark.parametrize("path", ["cpu kernel", "gathered keys", "compiled"])
+def test_attention_sinks_match_generate(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's attention sinks (`s_aux`, one logit per head in the softmax's denominator), on sliding and full
+    layers: through the CPU kernel, through the gathered keys' written-out attention, and compiled."""
+    torch._dynamo.reset()
+    if path == "gathered keys":
+        monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
+    model = _model("gpt_oss", **GPT_OSS)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
+    results = _run(model, use_default_compile_configs=path == "compiled")
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 8
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
+    without = _model("gpt_oss", **GPT_OSS)
+    assert [reference_generate(without, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)] \
+        != references, "the sinks change the tokens"
+
+
+def test_attention_inputs_it_does_not_implement_are_refused_by_name() -> None:
+    module = torch.nn.Module()
+    with pytest.raises(UnsupportedModelError, match=r"^Module passes 'position_bias' \(a position bias\) to its "
+                                                    r"attention function, which contbatch's paged attention does not"):
+        check_attention_kwargs(module, {"position_bias": torch.zeros(1), "scaling": 0.1})
+    check_attention_kwargs(module, {"position_bias": None, "indices": None})
+    with pytest.raises(UnsupportedModelError, match=r"attention sinks 's_aux' of shape \(2, 4\); contbatch takes one "
+                                                    r"per query head \(4\)"):
+        attention_sinks(module, {"s_aux": torch.zeros(2, 4)}, 4)
+    assert attention_sinks(module, {"s_aux": torch.zeros(4, dtype=torch.bfloat16)}, 4).dtype == torch.float32
 
 
 def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:

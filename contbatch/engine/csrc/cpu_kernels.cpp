@@ -122,7 +122,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& value_cache, const torch::Tensor& slots,
                                      const torch::Tensor& lengths, const torch::Tensor& first, double scale,
                                      double softcap, int64_t queries_per_request,
-                                     const c10::optional<torch::Tensor>& row_requests);
+                                     const c10::optional<torch::Tensor>& row_requests,
+                                     const c10::optional<torch::Tensor>& sinks);
 
 // panel_gemm.cpp
 bool has_panel_gemm();
@@ -160,7 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, kNoGil, "paged attention of query rows (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slots"), py::arg("lengths"),
         py::arg("first"), py::arg("scale"), py::arg("softcap"), py::arg("queries_per_request"),
-        py::arg("row_requests") = py::none());
+        py::arg("row_requests") = py::none(), py::arg("sinks") = py::none());
   m.def("row_argmax", &row_argmax, kNoGil, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");

@@ -41,6 +41,7 @@ struct Task {
   int64_t first, length, group, dim;
   float scale, softcap;
   float* out;            // [group, dim]
+  const float* sinks;    // [group] the query heads' sink logits (gpt-oss), or null
 };
 
 template <typename T>
@@ -61,6 +62,10 @@ static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vec
       scores[g * n + j] = s;
       row_max[g] = std::max(row_max[g], s);
     }
+  }
+  for (int64_t g = 0; g < group && t.sinks; ++g) {
+    row_max[g] = std::max(row_max[g], t.sinks[g]);
+    row_sum[g] = std::exp(t.sinks[g] - row_max[g]);
   }
   for (int64_t j = f; j < n; ++j) {
     const T* vr = t.v + t.slots[j] * dim;
@@ -172,14 +177,16 @@ constexpr int64_t kValueRows = 16;
 constexpr int64_t kKeyPrefetch = 32;
 constexpr int64_t kNextKeys = 32;
 
-// Each group's scores at s[0, stride) replaced by their softmax (lanes at -inf give 0); the outputs zeroed.
+// Each group's scores at s[0, stride) replaced by their softmax (lanes at -inf give 0), with a head's sink logit in
+// its denominator where the task has sinks; the outputs zeroed.
 template <typename T>
 static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
   for (int64_t g = 0; g < t.group; ++g) {
     float* s = scores + g * stride;
     __m256 high = _mm256_set1_ps(-INFINITY);
     for (int64_t c = 0; c < stride; c += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(s + c));
-    const __m256 top = _mm256_set1_ps(hmax(high)), none = _mm256_set1_ps(-INFINITY);
+    const float highest = t.sinks ? std::max(hmax(high), t.sinks[g]) : hmax(high);
+    const __m256 top = _mm256_set1_ps(highest), none = _mm256_set1_ps(-INFINITY);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t c = 0; c < stride; c += 8) {
       const __m256 x = _mm256_loadu_ps(s + c);
@@ -187,7 +194,8 @@ static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
       _mm256_storeu_ps(s + c, p);
       sum = _mm256_add_ps(sum, p);
     }
-    const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+    const float sink = t.sinks ? std::exp(t.sinks[g] - highest) : 0.f;
+    const __m256 inv = _mm256_set1_ps(1.f / (hsum(sum) + sink));
     for (int64_t c = 0; c < stride; c += 8) _mm256_storeu_ps(s + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), inv));
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
@@ -272,7 +280,7 @@ template <typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request,
-                         const int64_t* row_requests, float scale, float softcap) {
+                         const int64_t* row_requests, float scale, float softcap, const float* sinks) {
   const int64_t group = heads / kv_heads, parts = std::max<int64_t>(1, at::get_num_threads());
   const std::vector<int64_t> bounds = balanced_parts(length, start, batch, kv_heads, parts);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
@@ -282,7 +290,7 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
       return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
                      slot + (row_requests ? row_requests[b] : b / queries_per_request) * max_len, start[b],
                      length[b], group, dim, scale, softcap,
-                     out + (b * heads + h * group) * dim};
+                     out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr};
     };
     const int64_t begin = bounds[part_begin], end = bounds[part_end];
     for (int64_t task = begin; task < end; ++task) {
@@ -311,12 +319,14 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
 // lengths[r], causal prefill rows included); first: [R] each row's first visible position (sliding window). A
 // decode step is one query per request. `row_requests` ([R] int64), when given, names each row's request (a ragged
 // batch: any rows of any requests, a whole step in one call; `queries_per_request` is then ignored). Returns
-// [R, H, D] in the query's dtype.
+// [R, H, D] in the query's dtype. `sinks` ([H] float32), when given, adds each head's sink logit to its softmax's
+// denominator (attention sinks: gpt-oss's `s_aux`).
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                      const torch::Tensor& value_cache, const torch::Tensor& slots,
                                      const torch::Tensor& lengths, const torch::Tensor& first, double scale,
                                      double softcap, int64_t queries_per_request,
-                                     const c10::optional<torch::Tensor>& row_requests) {
+                                     const c10::optional<torch::Tensor>& row_requests,
+                                     const c10::optional<torch::Tensor>& sinks) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
@@ -339,6 +349,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   }
   TORCH_CHECK(lengths.numel() == batch && first.numel() == batch, "a length and a first position for each row");
   TORCH_CHECK(lengths.is_contiguous() && first.is_contiguous(), "contiguous lengths and first positions");
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  TORCH_CHECK(!has_sinks || (sinks->numel() == heads && sinks->scalar_type() == torch::kFloat32 &&
+                             sinks->is_contiguous()), "sinks: [H] contiguous float32, one for each query head");
+  const float* sink = has_sinks ? sinks->data_ptr<float>() : nullptr;
   const torch::Tensor q32 = query.to(torch::kFloat32);
   auto output = torch::empty_like(q32);
   const float* q = q32.data_ptr<float>();
@@ -349,11 +363,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
   if (dtype == torch::kFloat32) {
     attend_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
-                 kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32, softcap32);
+                 kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32, softcap32, sink);
     return output;
   }
   attend_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
                out, batch, heads, kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32,
-               softcap32);
+               softcap32, sink);
   return output.to(dtype);
 }
