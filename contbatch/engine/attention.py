@@ -35,7 +35,6 @@ from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.model_support import (
-    UnsupportedModelError,
     attention_sinks,
     check_attention_kwargs,
     check_kv_shape,
@@ -253,9 +252,7 @@ def _attend_group(
         lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries,
                                            group.row_requests)
         scale = head_dim**-0.5 if scaling is None else scaling
-        extra = {} if sinks is None else {"sinks": sinks}
-        if sinks is not None and kernel is triton_paged_attention:
-            raise UnsupportedModelError(f"attention sinks are not in the Triton kernel: unset {KERNEL_ENV}")
+        extra = {} if sinks is None else {"sinks": sinks.to(q.device)}
         return kernel(q, cache.keys[layer], cache.values[layer], kv_slots.view(batch, context), lengths, first,
                       scale, softcap or 0.0, num_queries, *ragged, **extra)
     keys, values = cache.gather(layer, kv_slots, batch, context)

@@ -61,9 +61,11 @@ def _interpreting() -> bool:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
                     lengths: torch.Tensor, first: torch.Tensor, scale: float, softcap: float,
-                    queries_per_request: int, row_requests: torch.Tensor | None = None) -> torch.Tensor:
+                    queries_per_request: int, row_requests: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """See the module's docstring. `row_requests` ([R] int64), when given, names each row's request instead
-    (a ragged batch: rows of any request in any order; `queries_per_request` is then ignored). A row whose range
+    (a ragged batch: rows of any request in any order; `queries_per_request` is then ignored). `sinks` ([H]
+    float32), when given, adds each head's sink logit to its softmax's denominator (gpt-oss). A row whose range
     is empty gets zeros (a padding row). Raises ValueError on shapes that disagree."""
     rows, heads, dim = query.shape
     kv_heads = key_cache.shape[0]
@@ -79,6 +81,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if lengths.shape != (rows,) or first.shape != (rows,):
         raise ValueError(f"need a length and a first position for each of {rows} rows, got "
                          f"{tuple(lengths.shape)} and {tuple(first.shape)}")
+    if sinks is not None and (sinks.shape != (heads,) or sinks.dtype != torch.float32):
+        raise ValueError(f"need float32 sinks [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     group = heads // kv_heads
     output = torch.empty_like(query, memory_format=torch.contiguous_format)
     if rows == 0:
@@ -88,12 +92,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _kernel(_interpreting())[(rows, kv_heads)](
         query, key_cache, value_cache, output, slots, lengths.contiguous(), first.contiguous(),
         lengths if row_requests is None else row_requests.contiguous(),
+        lengths if sinks is None else sinks.contiguous(),
         float(scale), float(softcap), queries_per_request, slots.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1),
         GROUP=group, BLOCK_G=max(_MIN_DOT, _next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_D=max(_MIN_DOT, _next_power_of_2(dim)), BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        IEEE=query.dtype == torch.float32, RAGGED=row_requests is not None,
+        IEEE=query.dtype == torch.float32, RAGGED=row_requests is not None, SINKS=sinks is not None,
     )
     return output
 

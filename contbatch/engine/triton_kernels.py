@@ -6,11 +6,11 @@ import triton.language as tl
 
 
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, lengths_ptr, first_ptr, row_requests_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, lengths_ptr, first_ptr, row_requests_ptr, sinks_ptr,
     scale, softcap, queries_per_request, slots_per_request,
     q_row_stride, q_head_stride, o_row_stride, o_head_stride, kv_head_stride, kv_slot_stride,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, RAGGED: tl.constexpr,
+    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, RAGGED: tl.constexpr, SINKS: tl.constexpr,
 ):
     """`triton_attention.paged_attention` for query row program_id(0) and KV head program_id(1)."""
     row = tl.program_id(0)
@@ -26,6 +26,9 @@ def paged_attention_kernel(
                 other=0.0).to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:  # each head's sink logit starts its softmax: in the denominator, with no value
+        m = tl.load(sinks_ptr + heads, mask=g < GROUP, other=float("-inf")).to(tl.float32)
+        total = tl.where(g < GROUP, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     slot_base = slots_ptr + request.to(tl.int64) * slots_per_request
     kv_base = kv_head.to(tl.int64) * kv_head_stride

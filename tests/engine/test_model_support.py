@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from contbatch import generate_batch
-from contbatch.engine import attention
+from contbatch.engine import attention, triton_attention
 from contbatch.engine.model_support import (
     UnsupportedModelError,
     attention_sinks,
@@ -115,13 +115,18 @@ GPT_OSS = dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, s
                layer_types=["sliding_attention", "full_attention"], initializer_range=0.3)
 
 
-@pytest.mark.parametrize("path", ["cpu kernel", "gathered keys", "compiled"])
+@pytest.mark.parametrize("path", ["cpu kernel", "gathered keys", "compiled", "triton"])
 def test_attention_sinks_match_generate(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt-oss's attention sinks (`s_aux`, one logit per head in the softmax's denominator), on sliding and full
-    layers: through the CPU kernel, through the gathered keys' written-out attention, and compiled."""
+    layers: through the CPU kernel, through the gathered keys' written-out attention, compiled, and through the
+    Triton kernel (its interpreter on a CPU)."""
     torch._dynamo.reset()
     if path == "gathered keys":
         monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
+    if path == "triton":
+        if not triton_attention.available():
+            pytest.skip("Triton is not installed")
+        monkeypatch.setenv(triton_attention.KERNEL_ENV, "triton")
     model = _model("gpt_oss", **GPT_OSS)
     with torch.no_grad():
         for layer in model.model.layers:

@@ -49,9 +49,12 @@ def _run(*args: object) -> torch.Tensor:
     (1, 5, 40, 0.0),   # a group that is not a power of 2
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype,
+                                  with_sinks: bool) -> None:
     """Decode rows of several lengths, windows starting past 0, a context over several key tiles: float32
-    within float32 rounding of the float64 result; bfloat16 within one bfloat16 rounding."""
+    within float32 rounding of the float64 result; bfloat16 within one bfloat16 rounding. With attention sinks
+    (gpt-oss) too."""
     generator = torch.Generator().manual_seed(kv_heads * 100 + dim)
     lengths = torch.tensor([1, 7, 8, 9, 16, 17, 40, 203])
     width = int(lengths.max())
@@ -61,8 +64,9 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
     first = torch.tensor([0, 0, 3, 0, 9, 1, 0, 150])
     query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
-    got = _run(query, keys, values, slots, lengths, first, dim**-0.5, softcap, 1)
-    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, softcap)
+    sinks = (torch.randn(kv_heads * group, generator=generator) * 6).float() if with_sinks else None
+    got = _run(query, keys, values, slots, lengths, first, dim**-0.5, softcap, 1, None, sinks)
+    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, softcap, sinks=sinks)
     assert got.dtype == dtype and got.shape == query.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
