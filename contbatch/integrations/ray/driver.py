@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from contbatch import ContinuousBatchingConfig
+from contbatch import ContinuousBatchingConfig, UnsupportedModelError
 from contbatch.data.embedded import resolve_model_dir
 from contbatch.integrations.ray.replica import ContbatchPredictor
 from contbatch.jobs import JobInput, JobItem, JobProgress, JobSettings, JobSummary, OutputLog, pending_items
@@ -83,7 +83,8 @@ def _batches(items: Iterator[JobItem], size: int) -> Iterator[list[JobItem]]:
 
 def _dispatch(replicas: list[Any], batches: Iterator[list[JobItem]],
               per_replica: int) -> Iterator[list[tuple[dict[str, Any], bool, int]]]:
-    """Keep `per_replica` batches queued on each replica; yield each batch's results as it returns."""
+    """Keep `per_replica` batches queued on each replica; yield each batch's results as it returns. A replica's
+    `UnsupportedModelError` (every item would fail alike) is raised as it is, and the job ends."""
     import ray
 
     running: dict[Any, int] = {}
@@ -102,4 +103,10 @@ def _dispatch(replicas: list[Any], batches: Iterator[list[JobItem]],
             return
         ready, _ = ray.wait(list(running), num_returns=1)
         load[running.pop(ready[0])] -= 1
-        yield ray.get(ready[0])
+        try:
+            results = ray.get(ready[0])
+        except ray.exceptions.RayTaskError as error:  # the model's own failure, as the single process raises it
+            if isinstance(error.cause, UnsupportedModelError):
+                raise error.cause from None
+            raise
+        yield results
