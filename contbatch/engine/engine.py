@@ -27,6 +27,7 @@ from contbatch.engine.kv_cache import (
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
+from contbatch.engine.model_support import chunked_attention_limit
 from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.packed_weights import pending_packed_bytes
 from contbatch.engine.request import Request
@@ -99,6 +100,7 @@ class LLMEngine:
         text_config = model.config.get_text_config()
         self.vocab_size = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.chunk_limit = chunked_attention_limit(model.config)
         self.model = model
         self._weights: WeightsFingerprint | None = None
         self.async_batching = resolve_async_batching(config.use_async_batching, device)
@@ -260,8 +262,9 @@ class LLMEngine:
         self._check_fits(request_id, num_prompt_tokens, params.max_new_tokens)
 
     def _check_fits(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raises ValueError when the request cannot run: more positions than the model has, or more blocks
-        than the cache can ever give one request. The last token sampled is never computed; a score-only
+        """Raises ValueError when the request cannot run: more positions than the model has (or than one chunk of
+        its chunked-attention layers: `chunked_attention_limit`), or more blocks than the cache can ever give one
+        request. The last token sampled is never computed; a score-only
         request (max_new_tokens=0) computes its prompt but the last token, so a prompt one token longer than
         the model's positions can still be scored (as lm-eval's rolling windows are)."""
         total = num_prompt_tokens + max_new_tokens
@@ -271,6 +274,12 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
                 f"needs {positions} positions: this exceeds the model's {self.max_position_embeddings} positions"
+            )
+        if self.chunk_limit is not None and positions > self.chunk_limit:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"needs {positions} positions, past the model's attention_chunk_size ({self.chunk_limit}): beyond it "
+                f"its chunked-attention layers attend within chunks, which contbatch does not implement"
             )
         kv = self.kv_manager
         if not kv.can_ever_hold(written, self.scheduler.max_batch_tokens):

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from contbatch.engine.kv_cache import KVCacheSpec
 
@@ -37,6 +38,16 @@ class UnsupportedModelError(RuntimeError):
 
 
 UNSUPPORTED_PREFIX = f"{UnsupportedModelError.__name__}: "
+
+
+def chunked_attention_limit(config: PretrainedConfig) -> int | None:
+    """The positions a request may span on a model with chunked-attention layers (Llama 4's `layer_types`
+    "chunked_attention": a query sees only the keys of its own `attention_chunk_size` chunk), or None. Within one
+    chunk they attend as full attention does; past it contbatch would attend across chunks, so requests stop there."""
+    text = config.get_text_config()
+    if "chunked_attention" not in (getattr(text, "layer_types", None) or []):
+        return None
+    return getattr(text, "attention_chunk_size", None)
 
 
 def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:

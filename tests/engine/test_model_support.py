@@ -189,3 +189,18 @@ def test_the_check_runs_until_a_forward_passes_it() -> None:
         engine.add_request([5, 6, 7], "r", max_new_tokens=2)
         run_engine(engine)
         assert engine.model_runner.attention_checked
+
+
+def test_chunked_attention_runs_within_a_chunk_and_refuses_past_it() -> None:
+    """Llama 4's chunked-attention layers: a request within one `attention_chunk_size` chunk equals `generate`; one
+    that would reach past it is refused when added, naming the limit."""
+    model = _model("llama4_text", **SMALL, head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
+                   attention_chunk_size=48)
+    prompt = random_prompts([30], seed=3)[0]
+    with make_engine(model, block_size=4, max_batch_tokens=24) as engine:
+        engine.add_request(prompt, "fits", max_new_tokens=18)
+        with pytest.raises(ValueError, match=r"request 'past': prompt \(30 tokens\) \+ max_new_tokens \(19\) needs 49 "
+                                             r"positions, past the model's attention_chunk_size \(48\)"):
+            engine.add_request(prompt, "past", max_new_tokens=19)
+        outputs = run_engine(engine)
+    assert outputs["fits"].generated_tokens == reference_generate(model, prompt, 18)
