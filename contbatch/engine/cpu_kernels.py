@@ -15,11 +15,13 @@ check a narrower instruction set's paths on a wider CPU: `x86-64-v3` (AVX2 + FMA
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -81,24 +83,49 @@ def kernel_module() -> Any:
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        # -march=native: the build is only valid on this kind of CPU, so its flags are part of the name.
         openmp = _openmp_flags()
-        arch = target_arch()
-        sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
-        digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join([arch, *openmp]).encode())
-        module = load(
-            name=f"contbatch_paged_decode_{digest.hexdigest()[:12]}",
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=["-O3", f"-march={arch}", *openmp],
-            extra_ldflags=openmp,
-            verbose=False,
-        )
+        module = load_extension(extension_name(), _SOURCES, extra_cflags=["-O3", f"-march={target_arch()}", *openmp],
+                                extra_ldflags=openmp)
     except Exception as error:  # no compiler, no ninja, no headers: the SDPA path still works
         logger.warning("contbatch: CPU decode kernel unavailable (%s); using SDPA", error)
         return None
     return module
+
+
+def extension_name() -> str:
+    """The kernels' extension name: a digest of their sources, this CPU's flags and the build's target and OpenMP
+    flags (`-march=native` makes a build valid only on this kind of CPU)."""
+    sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
+    digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join([target_arch(), *_openmp_flags()]).encode())
+    return f"contbatch_paged_decode_{digest.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where extension `name` is built and cached: torch's place for a CPU build (`TORCH_EXTENSIONS_DIR`, by default
+    ~/.cache/torch_extensions/py<version>_cpu/<name>)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return Path(root) / name
+
+
+def load_extension(name: str, sources: Sequence[Path], **flags: Any) -> Any:
+    """torch's `load` of extension `name`, one process at a time through an `flock` on the build directory, which
+    the system releases when its holder dies. torch's own lock is a file that every loading process creates and
+    removes, and waits on while it exists: one left by a process killed while loading (a Ray replica killed during
+    start-up) made every later process wait forever. Under the flock no other contbatch process is inside `load`,
+    so such a file is stale and is removed."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "contbatch.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        return load(name=name, sources=[str(source) for source in sources], build_directory=str(directory),
+                    verbose=False, **flags)
 
 
 DrawRows = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]

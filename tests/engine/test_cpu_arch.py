@@ -4,6 +4,10 @@ such a build really took that set's paths."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from contbatch.engine import cpu_kernels
@@ -33,3 +37,15 @@ def test_the_build_takes_its_targets_paths() -> None:
     built = (cpu_kernels.panel_gemm() is not None, cpu_kernels.wide_panels(), cpu_kernels.pair_panels(),
              cpu_kernels.row_draw_kernel() is not None, bool(module.has_vnni()))
     assert built == ((True, False, False, True, False) if arch == "x86-64-v3" else (False,) * 5)
+
+
+def test_a_lock_left_by_a_killed_loader_does_not_stop_the_next(tmp_path: Path) -> None:
+    """torch's build lock file, left by a process killed while it loaded the kernels (a Ray replica killed during
+    start-up), is removed by the next loader under contbatch's flock instead of being waited on forever."""
+    assert cpu_kernels.kernel_module() is not None
+    lock = cpu_kernels.build_directory(cpu_kernels.extension_name()) / "lock"
+    lock.touch()
+    done = subprocess.run([sys.executable, "-c", "from contbatch.engine.cpu_kernels import kernel_module\n"
+                           "assert kernel_module() is not None"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert not lock.exists()
