@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.engine.model_support import UNSUPPORTED_PREFIX, UnsupportedModelError
 from contbatch.engine.structured import StructuredOutput
 from contbatch.frontend.output_processor import RequestIds
 from contbatch.manager import ContinuousBatchingManager
@@ -39,7 +40,8 @@ def generate_batch(
     Returns `{request_id: GenerationOutput}` with ids "req_0", "req_1", ... in input order; with
     `generation_config.num_return_sequences = n > 1`, prompt i gives "req_i_0" ... "req_i_<n-1>" (n samples
     sharing the prompt's KV blocks). A bad prompt does not raise: its output comes back FAILED with `error` set,
-    and the other requests complete. `kwargs` may hold
+    and the other requests complete. A model contbatch cannot compute exactly raises `UnsupportedModelError` (as
+    its first output arrives, failed by it: every output would be). `kwargs` may hold
     `max_new_tokens` and any `ContinuousBatchingConfig` field (which override `continuous_batching_config`);
     config fields carried by `generation_config` (as in transformers' older examples) are honoured when no
     `continuous_batching_config` is given. With `return_logprobs=True`, `generation_config.logprobs_mode`
@@ -121,6 +123,8 @@ def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], ma
             output = manager.get_result(timeout=1.0)
             if output is None:
                 continue
+            if output.error and output.error.startswith(UNSUPPORTED_PREFIX):
+                raise UnsupportedModelError(output.error.removeprefix(UNSUPPORTED_PREFIX))
             outputs[output.request_id] = output
             generated += len(output.generated_tokens)
             bar.update(1)

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from contbatch import ContinuousBatchingConfig, generate_batch
+from contbatch import ContinuousBatchingConfig, UnsupportedModelError, generate_batch
 from contbatch.cli.common import add_engine_flags, engine_config, model_dtype
 from contbatch.engine.compile import engine_compile_paths, served_compile_config
+from contbatch.engine.model_support import UNSUPPORTED_PREFIX
 from contbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 SERVE_MAX_BATCH_TOKENS = {"cpu": 2048}
@@ -107,8 +108,11 @@ def warm_up_before_serving(model: PreTrainedModel, tokenizer: PreTrainedTokenize
     generation = GenerationConfig(max_new_tokens=WARM_UP_NEW_TOKENS, min_new_tokens=WARM_UP_NEW_TOKENS,
                                   do_sample=False)
     start = time.perf_counter()
-    outputs = generate_batch(model, [ids[:5], ids[:9]], generation_config=generation,
-                             continuous_batching_config=warm, progress_bar=False)
+    try:
+        outputs = generate_batch(model, [ids[:5], ids[:9]], generation_config=generation,
+                                 continuous_batching_config=warm, progress_bar=False)
+    except UnsupportedModelError as error:
+        raise WarmUpFailed(f"a warm-up request failed: {UNSUPPORTED_PREFIX}{error}") from None
     failed = [output.error for output in outputs.values() if output.error]
     if failed:
         raise WarmUpFailed(f"a warm-up request failed: {failed[0]}")

@@ -162,12 +162,15 @@ def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
                          "was sized from the model's config for 2 of size 16 (num_key_value_heads, head_dim)")
 
 
-def test_generate_batch_reports_an_unsupported_model_in_every_output() -> None:
+def test_generate_batch_raises_for_an_unsupported_model() -> None:
+    """Every output would fail alike, so the call raises as the first arrives; the manager it kept has stopped
+    with its pool whole."""
     model = _model("gptj", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8)
-    outputs = generate_batch(model, random_prompts([4, 9]), GenerationConfig(max_new_tokens=3, do_sample=False),
-                             progress_bar=False)
-    assert [output.status for output in outputs.values()] == [RequestStatus.FAILED] * 2
-    assert all("GPTJForCausalLM: 0 of its 2 layers" in (output.error or "") for output in outputs.values())
+    with pytest.raises(UnsupportedModelError, match=r"^GPTJForCausalLM: 0 of its 2 layers ran"):
+        generate_batch(model, random_prompts([4, 9, 6]), GenerationConfig(max_new_tokens=3, do_sample=False),
+                       progress_bar=False, persistent_manager=True)
+    manager = model._contbatch_manager
+    assert not manager.is_running() and manager.engine.block_pool.is_whole
 
 
 def test_check_attended_names_missing_and_repeated_layers() -> None:
