@@ -15,7 +15,6 @@ check a narrower instruction set's paths on a wider CPU: `x86-64-v3` (AVX2 + FMA
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
@@ -117,6 +116,8 @@ def load_extension(name: str, sources: Sequence[Path], **flags: Any) -> Any:
     removes, and waits on while it exists: one left by a process killed while loading (a Ray replica killed during
     start-up) made every later process wait forever. Under the flock no other contbatch process is inside `load`,
     so such a file is stale and is removed."""
+    import fcntl  # POSIX: where it is missing, so is the kernels' build (`kernel_module` falls back)
+
     from torch.utils.cpp_extension import load
 
     directory = build_directory(name)
