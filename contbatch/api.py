@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contbatch.engine.config import ContinuousBatchingConfig
-from contbatch.engine.model_support import UNSUPPORTED_PREFIX, UnsupportedModelError
+from contbatch.engine.model_support import raise_if_unsupported
 from contbatch.engine.structured import StructuredOutput
 from contbatch.frontend.output_processor import RequestIds
 from contbatch.manager import ContinuousBatchingManager
@@ -123,8 +123,7 @@ def _run(manager: ContinuousBatchingManager, inputs: Sequence[Sequence[int]], ma
             output = manager.get_result(timeout=1.0)
             if output is None:
                 continue
-            if output.error and output.error.startswith(UNSUPPORTED_PREFIX):
-                raise UnsupportedModelError(output.error.removeprefix(UNSUPPORTED_PREFIX))
+            raise_if_unsupported(output.error)
             outputs[output.request_id] = output
             generated += len(output.generated_tokens)
             bar.update(1)

@@ -252,7 +252,7 @@ def _attend_group(
         lengths, first = layout.row_ranges(group.query_positions, sliding_window, group.real_queries,
                                            group.row_requests)
         scale = head_dim**-0.5 if scaling is None else scaling
-        extra = {} if sinks is None else {"sinks": sinks.to(q.device)}
+        extra = {} if sinks is None else {"sinks": sinks}
         return kernel(q, cache.keys[layer], cache.values[layer], kv_slots.view(batch, context), lengths, first,
                       scale, softcap or 0.0, num_queries, *ragged, **extra)
     keys, values = cache.gather(layer, kv_slots, batch, context)

@@ -40,6 +40,13 @@ class UnsupportedModelError(RuntimeError):
 UNSUPPORTED_PREFIX = f"{UnsupportedModelError.__name__}: "
 
 
+def raise_if_unsupported(error: str | None) -> None:
+    """Raises the `UnsupportedModelError` that failed a request whose `error` this is (a model-wide failure: every
+    request would fail alike); returns for any other error, or none."""
+    if error and error.startswith(UNSUPPORTED_PREFIX):
+        raise UnsupportedModelError(error.removeprefix(UNSUPPORTED_PREFIX))
+
+
 def chunked_attention_limit(config: PretrainedConfig) -> int | None:
     """The positions a request may span on a model with chunked-attention layers (Llama 4's `layer_types`
     "chunked_attention": a query sees only the keys of its own `attention_chunk_size` chunk), or None. Within one

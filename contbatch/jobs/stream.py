@@ -11,7 +11,7 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.data.prompts import as_token_ids
-from contbatch.engine.model_support import UNSUPPORTED_PREFIX, UnsupportedModelError
+from contbatch.engine.model_support import raise_if_unsupported
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.jobs.items import JobItem
 from contbatch.jobs.records import error_record, result_record
@@ -204,8 +204,7 @@ class RecordStream:
         failed = next((o for o in outputs if o.status != RequestStatus.FINISHED), None)
         if failed is not None:
             reason = failed.error or f"the request ended {failed.status.name}"
-            if reason.startswith(UNSUPPORTED_PREFIX):  # the model's, not the item's: every item would fail alike
-                raise UnsupportedModelError(reason.removeprefix(UNSUPPORTED_PREFIX))
+            raise_if_unsupported(reason)  # the model's failure, not the item's
             return Finished(error_record(pending.item, reason), True)
         generated = sum(len(o.generated_tokens) for o in outputs)
         record = result_record(pending.item, pending.texts, [o.finish_reason for o in outputs],
