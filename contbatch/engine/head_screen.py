@@ -1,9 +1,11 @@
-"""Greedy tokens from a float32 or bfloat16 output head through an int8 screen, on CPUs with VNNI.
+"""Greedy tokens from a float32 or bfloat16 output head through an int8 screen.
 
 A greedy decode step needs only the argmax of each logits row, and the head's product is the largest of the step
-(49,152 x 576 for the embedded model). Where the CPU has VNNI, oneDNN's int8 product runs at about 3x its float32
-one. The screen quantises the head's rows to int8 (once per weight version) and each hidden row to int8, and gets
-from the exact integer product an approximation of every logit with a rigorous bound on its distance to any
+(49,152 x 576 for the embedded model). oneDNN's int8 product runs at about 3x its float32 one where the CPU has
+VNNI, and at about 2.4x on AVX2 alone. The screen quantises the head's rows to int8 (once per weight version) and
+each hidden row to integer codes (`code_levels`: [-127, 127] with VNNI; [-63, 63] without, where AVX2's int8
+products sum pairs of products in int16, which larger codes could saturate), and gets from the exact integer
+product an approximation of every logit with a rigorous bound on its distance to any
 float32 evaluation of the logit (`csrc/head_screen.cpp` states it). Only the tokens whose upper bound reaches the
 best lower bound can be the argmax; they get a float32 logit, and the first largest is the token: the argmax of the
 float32 logits up to the summation order of the product, as with any GEMM library. A bfloat16 head's weights and
@@ -20,8 +22,9 @@ returns the head's output itself as its logits, which its first plain greedy ste
 its output, `note_head_output`): a model that transforms its logits after the head (a soft cap, a scale) is never
 screened.
 
-Off where the kernels lack VNNI, where oneDNN's quantised product is missing or fails its self-check at packing
-(int32 products checked exactly on extreme inputs), for heads of other dtypes, and with `CONTBATCH_HEAD_SCREEN=0`.
+Off where the kernels are not built or the CPU lacks AVX2, where oneDNN's quantised product is missing or fails its
+self-check at packing (int32 products checked exactly on extreme inputs of the code range), for heads of other
+dtypes, and with `CONTBATCH_HEAD_SCREEN=0`.
 """
 
 from __future__ import annotations
@@ -53,13 +56,19 @@ _screens: dict[int, HeadScreen | None] = {}
 @dataclass
 class HeadScreen:
     """The int8 head of one weight version: `packed` (oneDNN's layout), per-row `scales` s_j, and the bound's
-    coefficients a_j = s_j |q_j|_2 and c_j = |r_j|_2 + gamma_K |W_j|_2, rounded up to float32."""
+    coefficients a_j = s_j |q_j|_2 and c_j = |r_j|_2 + gamma_K |W_j|_2, rounded up to float32; hidden rows take
+    codes in [-`levels`, `levels`], passed to oneDNN as unsigned codes with zero point `levels` + 1."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     zero_points: torch.Tensor
     a: torch.Tensor
     c: torch.Tensor
+    levels: int = 127
+
+    @property
+    def zero_point(self) -> int:
+        return self.levels + 1
 
 
 @dataclass
@@ -95,11 +104,19 @@ def screen_allowed() -> bool:
 
 @functools.cache
 def screen_supported() -> bool:
-    """Whether the screen can run here: the kernels built with VNNI, oneDNN's quantised linear present, and not
-    disabled by `CONTBATCH_HEAD_SCREEN=0`."""
-    module = kernel_module()
-    return (os.environ.get("CONTBATCH_HEAD_SCREEN", "1") != "0" and module is not None and module.has_vnni()
+    """Whether the screen can run here: the kernels built, a CPU with AVX2 at least (torch's CPU capability),
+    oneDNN's quantised linear present, and not disabled by `CONTBATCH_HEAD_SCREEN=0`."""
+    return (os.environ.get("CONTBATCH_HEAD_SCREEN", "1") != "0" and kernel_module() is not None
+            and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
             and hasattr(torch.ops.onednn, "qlinear_prepack") and torch.backends.mkldnn.is_available())
+
+
+@functools.cache
+def code_levels() -> int:
+    """The hidden rows' code range here: 127 where the kernels are built with VNNI (int8 products accumulated in
+    int32), else 63 (unsigned codes up to 127, so that a pair of u8 x s8 products stays within int16)."""
+    module = kernel_module()
+    return 127 if module is not None and module.has_vnni() else 63
 
 
 def forget(handle: int) -> None:
@@ -142,31 +159,34 @@ def screen_tokens(hidden: torch.Tensor, weight: torch.Tensor, screen: HeadScreen
     `weight` [V, K] (float32, or bfloat16: the first largest of the logits rounded to bfloat16), -1 for a row that is
     not finite."""
     module = kernel_module()
-    codes, stats = module.screen_quantize(hidden)
+    codes, stats = module.screen_quantize(hidden, screen.levels)
     scaled = _int8_product(codes, screen, head_buffer.buffer(codes.shape[0], screen.scales.shape[0]))
     return module.screen_tokens(scaled, stats, screen.a, screen.c, hidden, weight.contiguous())
 
 
 def _int8_product(codes: torch.Tensor, screen: HeadScreen, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows, V] float32: s_j (q_j . p) for the uint8 `codes` [rows, K] (zero point 128), by oneDNN; with `out`
-    (contiguous [rows, V] float32), computed into it (oneDNN's "sum" post-op into `out` zeroed: the same values)."""
+    """[rows, V] float32: s_j (q_j . p) for the uint8 `codes` [rows, K] (zero point `screen.zero_point`), by
+    oneDNN; with `out` (contiguous [rows, V] float32), computed into it (oneDNN's "sum" post-op into `out` zeroed:
+    the same values)."""
+    zero = screen.zero_point
     if out is None:
-        return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, screen.packed, screen.scales,
+        return torch.ops.onednn.qlinear_pointwise(codes, 1.0, zero, screen.packed, screen.scales,
                                                   screen.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-    return torch.ops.onednn.qlinear_pointwise.binary(codes, 1.0, 128, screen.packed, screen.scales,
+    return torch.ops.onednn.qlinear_pointwise.binary(codes, 1.0, zero, screen.packed, screen.scales,
                                                      screen.zero_points, out.zero_(), None, 1.0, 0, torch.float32,
                                                      1.0, 0, "sum", 1.0, "none", [], "")
 
 
-def build_screen(weight: torch.Tensor) -> HeadScreen | None:
+def build_screen(weight: torch.Tensor, levels: int | None = None) -> HeadScreen | None:
     """The screen of a head `weight` [V, K] (float32 or bfloat16; its int8 rows and bound coefficients by
-    `csrc/head_screen.cpp`'s `screen_codes`), or None when its weights are not finite or (logged) oneDNN's quantised
-    product fails the self-check."""
+    `csrc/head_screen.cpp`'s `screen_codes`) for hidden codes in [-`levels`, `levels`] (127 or 63; default
+    `code_levels()`), or None when its weights are not finite or (logged) oneDNN's quantised product fails the
+    self-check."""
     int8, scales, a, c = kernel_module().screen_codes(weight.contiguous())
     if not bool(torch.isfinite(scales).all()):
         return None
     screen = HeadScreen(torch.ops.onednn.qlinear_prepack(int8, None), scales,
-                        torch.zeros(weight.shape[0], dtype=torch.long), a, c)
+                        torch.zeros(weight.shape[0], dtype=torch.long), a, c, levels or code_levels())
     if not _products_exact(screen, int8):
         logger.warning("contbatch: oneDNN's int8 product failed the head screen's check; computing full logits")
         return None
@@ -175,14 +195,14 @@ def build_screen(weight: torch.Tensor) -> HeadScreen | None:
 
 def _products_exact(screen: HeadScreen, int8: torch.Tensor) -> bool:
     """Whether oneDNN's product of the packed weight gives s_j (q_j . p) to float32 rounding, for the extreme codes
-    (every p = 127, every p = -127, alternating) and random ones: int8 products that saturate an int16 sum (older
-    instructions) or lose the zero point would fail. Checked both into a fresh tensor and into a used one, as
-    `head_buffer.buffer` gives (its earlier contents, here 7s, must not remain)."""
-    k = int8.shape[1]
-    codes = torch.stack([torch.full((k,), 127), torch.full((k,), -127), (torch.arange(k) % 2) * 254 - 127,
-                         *torch.randint(-127, 128, (CHECK_ROWS - 3, k), generator=torch.Generator().manual_seed(0))])
+    of the screen's range L (every p = L, every p = -L, alternating) and random ones: int8 products that saturate
+    an int16 sum (AVX2's, with codes past 63) or lose the zero point would fail. Checked both into a fresh tensor and
+    into a used one, as `head_buffer.buffer` gives (its earlier contents, here 7s, must not remain)."""
+    k, top = int8.shape[1], screen.levels
+    codes = torch.stack([torch.full((k,), top), torch.full((k,), -top), (torch.arange(k) % 2) * 2 * top - top,
+                         *torch.randint(-top, top + 1, (CHECK_ROWS - 3, k), generator=torch.Generator().manual_seed(0))])
     exact = _integer_products(codes, int8) * screen.scales.double()
-    shifted = (codes + 128).to(torch.uint8)
+    shifted = (codes + screen.zero_point).to(torch.uint8)
     used = torch.full(exact.shape, 7.0)
     products = (_int8_product(shifted, screen), _int8_product(shifted, screen, used))
     return all(bool(((scaled.double() - exact).abs() <= 4 * _EPS32 * exact.abs() + 1e-30).all()) for scaled in products)

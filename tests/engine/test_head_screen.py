@@ -15,7 +15,9 @@ from contbatch.engine.cpu_kernels import kernel_module
 from contbatch.engine.head_screen import build_screen, screen_supported, screen_tokens
 from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
-pytestmark = pytest.mark.skipif(not screen_supported(), reason="the head screen needs the kernels built with VNNI")
+pytestmark = pytest.mark.skipif(not screen_supported(), reason="the head screen needs the kernels and AVX2")
+# 7-bit codes run everywhere (AVX2's int8 products); 8-bit ones only where the kernels are built with VNNI.
+LEVELS = [63, 127] if head_screen.code_levels() == 127 else [63]
 
 
 @pytest.fixture
@@ -45,10 +47,11 @@ def _head_and_hidden(vocab: int, k: int, rows: int) -> tuple[torch.Tensor, torch
     return weight, hidden.contiguous()
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize(("vocab", "k"), [(1000, 64), (1003, 72), (4099, 576)])
-def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int) -> None:
+def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int, levels: int) -> None:
     weight, hidden = _head_and_hidden(vocab, k, 64)
-    screen = build_screen(weight)
+    screen = build_screen(weight, levels)
     assert screen is not None
     tokens = screen_tokens(hidden, weight, screen)
     exact = hidden.double() @ weight.double().T
@@ -63,15 +66,16 @@ def test_tokens_are_the_argmax_of_the_float32_logits(vocab: int, k: int) -> None
     assert set(tokens[tied].tolist()) <= {7, 12}
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize(("vocab", "k"), [(1003, 72), (4099, 576)])
-def test_bfloat16_tokens_are_the_first_argmax_of_the_rounded_logits(vocab: int, k: int) -> None:
+def test_bfloat16_tokens_are_the_first_argmax_of_the_rounded_logits(vocab: int, k: int, levels: int) -> None:
     """A bfloat16 head: the token is the first largest of the logits rounded to bfloat16, as the head's own product
     gives them. Head row 3 is row 7 scaled down by 0.3%, so for rows along row 7 its float32 logit is smaller but
     often rounds to the same bfloat16 value, and then token 3 (the lower index) wins; rows 7 and 11 tie exactly."""
     weight, hidden = _head_and_hidden(vocab, k, 128)
     weight[3] = weight[7] * (1 - 3e-3)
     weight, hidden = weight.bfloat16(), hidden.bfloat16()
-    screen = build_screen(weight)
+    screen = build_screen(weight, levels)
     assert screen is not None
     tokens = screen_tokens(hidden.float().contiguous(), weight, screen)
     logits = torch.nn.functional.linear(hidden, weight)
@@ -136,6 +140,34 @@ def test_the_int8_head_and_its_bound_coefficients(dtype: torch.dtype) -> None:
     scales = kernel_module().screen_codes(weight)[1]
     assert (~torch.isfinite(scales)).nonzero().squeeze(1).tolist() == [9, 20]
     assert build_screen(weight) is None
+
+
+@pytest.mark.parametrize("levels", [63, 127])
+def test_hidden_rows_take_codes_of_the_screens_range(levels: int) -> None:
+    """`screen_quantize`: codes p + L + 1 with p = round(h / t) in [-L, L], t = max |h| / L, and the residual's and
+    the row's norms rounded up; a code range other than 127 or 63 is refused by name."""
+    _, hidden = _head_and_hidden(16, 72, 8)
+    codes, stats = kernel_module().screen_quantize(hidden, levels)
+    t = hidden.double().abs().amax(dim=1) / levels
+    p = torch.round(hidden.double() / t[:, None])
+    assert torch.equal(codes.long(), p.long() + levels + 1)
+    assert int(codes.max()) == 2 * levels + 1 and int(codes.min()) >= 1
+    residual = (hidden.double() - t[:, None] * p).norm(dim=1)
+    assert torch.allclose(stats[:, 0].double(), t) and bool((stats[:, 1].double() >= residual).all())
+    assert bool((stats[:, 2].double() >= hidden.double().norm(dim=1)).all())
+    with pytest.raises(RuntimeError, match="must be 127 or 63, got 100"):
+        kernel_module().screen_quantize(hidden, 100)
+
+
+@pytest.mark.skipif(head_screen.code_levels() == 127, reason="the kernels are built with VNNI")
+def test_without_vnni_8_bit_codes_fail_the_self_check_and_7_bit_ones_pass() -> None:
+    """Where int8 products sum pairs in int16 (AVX2), a head of equal weights (every code 127) saturates that sum
+    with 8-bit hidden codes, which the self-check catches; with 7-bit codes (the default here) it is exact."""
+    weight = torch.full((256, 64), 0.5)
+    weight[1::2] = -0.5
+    assert build_screen(weight, 127) is None
+    screen = build_screen(weight)
+    assert screen is not None and screen.levels == 63
 
 
 def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest.MonkeyPatch) -> None:

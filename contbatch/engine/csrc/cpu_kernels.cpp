@@ -137,7 +137,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
 
 // head_screen.cpp
-std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden);
+std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden, int64_t levels);
 std::vector<torch::Tensor> screen_codes(const torch::Tensor& weight);
 torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
                             const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
@@ -171,7 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, kNoGil, "F.silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("rope", &rope, kNoGil, "apply_rotary_pos_emb over query and key rows (CPU, float32 or bfloat16)");
   m.def("screen_quantize", &screen_quantize, kNoGil,
-        "hidden rows as int8 codes + 128, with their scale and error norms");
+        "hidden rows as integer codes in [-levels, levels] + levels + 1, with their scale and error norms",
+        py::arg("hidden"), py::arg("levels"));
   m.def("screen_codes", &screen_codes, kNoGil, "the head screen's int8 head rows, scales and bound coefficients");
   m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");
   m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");

@@ -2,10 +2,12 @@
 // the few tokens the screen cannot rule out.
 //
 // Head row j is W_j = s_j q_j + r_j (q_j int8 in [-127, 127], s_j = max |W_j| / 127), hidden row h = t p + e (p
-// int8 in [-127, 127], t = max |h| / 127). Then W_j.h = s_j t (q_j.p) + s_j (q_j.e) + r_j.h, and any float32 sum of
-// the K products W_jk h_k lies within gamma_K |W_j|_2 |h|_2 of W_j.h. So every float32 logit of token j lies within
+// an integer in [-L, L], t = max |h| / L, for the caller's code range L: 127, or 63 where the CPU's int8 products
+// sum pairs of u8 x s8 products in int16, which the unsigned codes p + 64 <= 127 keep within 2 x 127 x 127). Then
+// W_j.h = s_j t (q_j.p) + s_j (q_j.e) + r_j.h, and any float32 sum of the K products W_jk h_k lies within
+// gamma_K |W_j|_2 |h|_2 of W_j.h. So every float32 logit of token j lies within
 //   bound_j = a_j |e|_2 + c_j |h|_2,  a_j = s_j |q_j|_2,  c_j = |r_j|_2 + gamma_K |W_j|_2,
-// of approx_j = t s_j (q_j.p), whose integer product a VNNI int8 GEMM computes exactly (the caller's oneDNN product
+// of approx_j = t s_j (q_j.p), whose integer product an int8 GEMM computes exactly (the caller's oneDNN product
 // gives s_j (q_j.p) in float32; its rounding, and this file's, are covered by a relative margin). A token whose upper
 // bound approx_j + bound_j is below the largest lower bound approx_i - bound_i cannot be the argmax of the float32
 // logits in any summation order; the others get a float32 logit here (one fixed order), and the first largest wins.
@@ -34,10 +36,12 @@ static inline float up(double x) {
   return static_cast<double>(f) >= x ? f : std::nextafter(f, INFINITY);
 }
 
-// hidden [B, K] float32 -> (codes [B, K] uint8 = p + 128, stats [B, 3] float32: t, |e|_2 and |h|_2, the two norms
-// rounded up). A row that is not finite gets t = NaN, which `screen_tokens` reports as -1.
-std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden) {
+// hidden [B, K] float32, code range L (127 or 63) -> (codes [B, K] uint8 = p + L + 1, stats [B, 3] float32: t, |e|_2
+// and |h|_2, the two norms rounded up). A row that is not finite gets t = NaN, which `screen_tokens` reports as -1.
+std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden, int64_t levels) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous());
+  TORCH_CHECK(levels == 127 || levels == 63, "screen_quantize: code range must be 127 or 63, got ", levels);
+  const double range = static_cast<double>(levels);
   const int64_t rows = hidden.size(0), k = hidden.size(1);
   auto codes = torch::empty({rows, k}, hidden.options().dtype(torch::kUInt8));
   auto stats = torch::empty({rows, 3}, hidden.options());
@@ -53,11 +57,11 @@ std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden) {
         finite = finite && std::isfinite(x[i]);
         top = std::max(top, std::fabs(static_cast<double>(x[i])));
       }
-      const double t = top > 0.0 ? top / 127.0 : 1.0;
+      const double t = top > 0.0 ? top / range : 1.0;
       for (int64_t i = 0; i < k; ++i) {
         const double v = x[i];
-        const double p = finite ? std::clamp(std::nearbyint(v / t), -127.0, 127.0) : 0.0;
-        out[b * k + i] = static_cast<uint8_t>(static_cast<int>(p) + 128);
+        const double p = finite ? std::clamp(std::nearbyint(v / t), -range, range) : 0.0;
+        out[b * k + i] = static_cast<uint8_t>(static_cast<int>(p) + levels + 1);
         err += (v - t * p) * (v - t * p);
         norm += v * v;
       }
@@ -244,6 +248,25 @@ static void candidates(const Screen& s, bool bf16, std::vector<int64_t>& out) {
   tail_pass(s, done, lower, &out);
 }
 
+// Narrows `found` with a computed logit: that of the candidate with the largest approximation, a float32 evaluation
+// that some token reaches, so (as the largest lower bound did) it rules out every token whose upper bound is below it
+// (for a bfloat16 head, below the bfloat16 value under its rounding). The bounds are far wider than the actual errors,
+// so this cuts the window between the two passes' thresholds about in half.
+template <typename W>
+static void narrow(const Screen& s, const float* h, const W* w, int64_t k, bool bf16, std::vector<int64_t>& found) {
+  if (found.size() < 2) return;
+  int64_t top = found[0];
+  for (const int64_t j : found)
+    if (s.scaled[j] > s.scaled[top]) top = j;
+  const float computed = logit(w + top * k, h, k), lower = bf16 ? bf16_below(computed) : computed;
+  size_t kept = 0;
+  for (const int64_t j : found) {
+    const float x = s.t * s.scaled[j];
+    if (x + s.bound(j, x) >= lower) found[kept++] = j;
+  }
+  found.resize(kept);
+}
+
 // The greedy token of one hidden row h: the first candidate with the largest logit (float32, or for a bfloat16 head
 // rounded to bfloat16); -1 when h is not finite.
 template <typename W>
@@ -251,6 +274,7 @@ static int64_t screen_row(const Screen& s, const float* h, const W* w, int64_t k
   constexpr bool bf16 = std::is_same_v<W, c10::BFloat16>;
   if (!std::isfinite(s.t)) return -1;
   candidates(s, bf16, found);
+  narrow(s, h, w, k, bf16, found);
   int64_t best = -1;
   float best_logit = -INFINITY;
   for (size_t i = 0; i < found.size(); ++i) {
