@@ -199,8 +199,9 @@ def _products_exact(screen: HeadScreen, int8: torch.Tensor) -> bool:
     an int16 sum (AVX2's, with codes past 63) or lose the zero point would fail. Checked both into a fresh tensor and
     into a used one, as `head_buffer.buffer` gives (its earlier contents, here 7s, must not remain)."""
     k, top = int8.shape[1], screen.levels
+    generator = torch.Generator().manual_seed(0)
     codes = torch.stack([torch.full((k,), top), torch.full((k,), -top), (torch.arange(k) % 2) * 2 * top - top,
-                         *torch.randint(-top, top + 1, (CHECK_ROWS - 3, k), generator=torch.Generator().manual_seed(0))])
+                         *torch.randint(-top, top + 1, (CHECK_ROWS - 3, k), generator=generator)])
     exact = _integer_products(codes, int8) * screen.scales.double()
     shifted = (codes + screen.zero_point).to(torch.uint8)
     used = torch.full(exact.shape, 7.0)
