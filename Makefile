@@ -63,4 +63,4 @@ $(PEERS_STAMP):
 bench-peers: $(PEERS_STAMP)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache .import_linter_cache demo_results.jsonl
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache .import_linter_cache demo_results.jsonl demo_results.jsonl.settings.json
