@@ -64,7 +64,7 @@ class HeadScreen:
     zero_points: torch.Tensor
     a: torch.Tensor
     c: torch.Tensor
-    levels: int = 127
+    levels: int
 
     @property
     def zero_point(self) -> int:
