@@ -7,8 +7,9 @@ a serving decode step, 1.1x at 128 (docs/performance.md). Each row's result is o
 of the other rows. The vocabulary projection (LM head), and the layers where the panel kernel is not built, are
 reordered once into oneDNN's blocked layout: 1.4-2.9x `F.linear` for the head at every batch size (where oneDNN
 also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at decode sizes. At a few hundred rows
-and more (prefill chunks) MKL is as fast for the layers, so a layer's product takes its packed copy only up to
-`LAYER_MAX_ROWS` rows and `F.linear` above; the head takes its packed copy always (a head whose output would be a
+and more (prefill chunks) the panels lose their lead for the layers, so a layer's product takes its packed copy
+only up to `LAYER_MAX_ROWS` rows and oneDNN over the plain weight above (1.1-1.2x MKL's `F.linear` on a Zen 3,
+with no second copy); the head takes its packed copy always (a head whose output would be a
 fresh mapping, in row chunks, or for a large vocabulary in column slices: `head_product`). Where ATen runs AVX-512
 (`cpu_has_avx512`), MKL runs 2-3x below oneDNN's prepacked product at every row count (on an AVX-512 AMD EPYC), and
 the layers take the panel kernel's AVX-512 tiles at every row count (`wide_panels`: 1.1-1.3x oneDNN at decode sizes,
@@ -80,11 +81,12 @@ _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDi
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
                    max_rows: int, panels: bool) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: through `F.linear` itself when `x` has more than `max_rows` rows (0: no limit),
-    else through the packed copy of `weight` registered under `handle` (by `PackedLinear.refresh`, which the caller
-    ran before the forward): by the panel kernel when `panels` asks for it and it is built, else by oneDNN (the
-    layout `refresh` packed in by the same rule). For an output head in a step that asked for greedy tokens only,
-    the head screen's placeholder instead (`head_screen.screened_product`)."""
+    """`F.linear(x, weight, bias)`: over the plain weight when `x` has more than `max_rows` rows (0: no limit;
+    `_unpacked_product`), else through the packed copy of `weight` registered under `handle` (by
+    `PackedLinear.refresh`, which the caller ran before the forward): by the panel kernel when `panels` asks for
+    it and it is built, else by oneDNN (the layout `refresh` packed in by the same rule). For an output head in a
+    step that asked for greedy tokens only, the head screen's placeholder instead (`head_screen.screened_product`).
+    """
     if handle in _heads:
         screened = screened_product(x, weight, handle)
         return screened if screened is not None else note_head_output(_product(x, weight, bias, handle, max_rows,
@@ -98,7 +100,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
     (`head_product`)."""
     rows = math.prod(x.shape[:-1])
     if max_rows and rows > max_rows:
-        return F.linear(x, weight, bias)
+        return _unpacked_product(x, weight, bias)
     packed = _packed[handle]
     if isinstance(packed, SlicedHead):
         return sliced_product(x.reshape(rows, x.shape[-1]), packed, bias, weight.shape[0]).view(
@@ -112,6 +114,15 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
                                             weight.shape[0])) is not None:
         return chunked.view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _unpacked_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A layer's product above its `max_rows`: oneDNN's over the plain float32 weight (reordered at each call), else
+    `F.linear`. On a Zen 3 at 512 rows oneDNN's ran 1.1-1.2x MKL's (`F.linear`), whose AMD path is slower
+    (docs/performance.md, "a thirty-sixth session")."""
+    if x.dtype == torch.float32 and weight.is_contiguous() and torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,

@@ -62,11 +62,27 @@ def test_which_linears_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not packing_applies(_linear())
 
 
+def test_rows_above_the_limit_take_onednn_over_the_plain_weight() -> None:
+    """Over `max_rows` a float32 product is oneDNN's over the weight as it is (no packed copy read), bit for bit;
+    a weight that is not contiguous, or a bfloat16 one, takes `F.linear`."""
+    linear = _linear(True)
+    packed = PackedLinear.for_linear(linear, max_rows=4, panels=True)
+    packed.refresh()
+    x = torch.randn(1, 9, 32)
+    with torch.no_grad():
+        expected = torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
+        assert torch.equal(packed(x), expected)
+        strided = nn.Parameter(torch.randn(32, 16).t())
+        assert torch.equal(packed_weights._unpacked_product(x, strided, None), torch.nn.functional.linear(x, strided))
+        halves = x.bfloat16(), linear.weight.bfloat16()
+        assert torch.equal(packed_weights._unpacked_product(*halves, None), torch.nn.functional.linear(*halves))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(5, 32), (1, 7, 32), (1, 0, 32), (1, 9, 32)])
 def test_same_function_as_the_linear(kind: str, bias: bool, shape: tuple[int, ...]) -> None:
     linear = _linear(bias)
-    head = PackedLinear.for_linear(linear, max_rows=8, panels=True)  # (1, 9, 32): over 8 rows, F.linear
+    head = PackedLinear.for_linear(linear, max_rows=8, panels=True)  # (1, 9, 32): over 8 rows, the plain weight
     head.refresh()
     x = torch.randn(shape)
     with torch.no_grad():
