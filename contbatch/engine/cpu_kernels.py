@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp",
-            _CSRC / "head_screen.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp", _CSRC / "rope.cpp")
+            _CSRC / "head_screen.cpp", _CSRC / "screen_product.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp",
+            _CSRC / "rope.cpp")
 _HEADERS = (_CSRC / "simd.h", _CSRC / "elementwise.h")
 PANEL = 16
 ARCH_ENV = "CONTBATCH_CPU_ARCH"

@@ -2,7 +2,8 @@
 
 A greedy decode step needs only the argmax of each logits row, and the head's product is the largest of the step
 (49,152 x 576 for the embedded model). oneDNN's int8 product runs at about 3x its float32 one where the CPU has
-VNNI, and at about 2.4x on AVX2 alone. The screen quantises the head's rows to int8 (once per weight version) and
+VNNI, and at about 2.4x on AVX2 alone, where the kernels' own product (`screen_product`) takes about 0.6x oneDNN's
+time. The screen quantises the head's rows to int8 (once per weight version) and
 each hidden row to integer codes (`code_levels`: [-127, 127] with VNNI; [-63, 63] without, where AVX2's int8
 products sum pairs of products in int16, which larger codes could saturate), and gets from the exact integer
 product an approximation of every logit with a rigorous bound on its distance to any
@@ -48,6 +49,10 @@ _EPS32 = 2.0**-24
 CHECK_ROWS = 16
 CHECK_BLOCK = 4096
 EXACT_K = 1024
+OWN_PRODUCT_LEVELS = 63
+"""Codes in a range up to this take the kernels' `screen_product` where it is built (AVX2): on a Zen 3 without
+VNNI, 38-40 ms against oneDNN's 59-65 for 128 rows of the embedded model's head, the same values bit for bit. Wider
+codes (VNNI builds) would saturate its int16 pair sums; they take oneDNN."""
 SCREENED_DTYPES = (torch.float32, torch.bfloat16)
 _local = threading.local()
 _screens: dict[int, HeadScreen | None] = {}
@@ -55,9 +60,10 @@ _screens: dict[int, HeadScreen | None] = {}
 
 @dataclass
 class HeadScreen:
-    """The int8 head of one weight version: `packed` (oneDNN's layout), per-row `scales` s_j, and the bound's
-    coefficients a_j = s_j |q_j|_2 and c_j = |r_j|_2 + gamma_K |W_j|_2, rounded up to float32; hidden rows take
-    codes in [-`levels`, `levels`], passed to oneDNN as unsigned codes with zero point `levels` + 1."""
+    """The int8 head of one weight version: `packed` (oneDNN's layout, or with `sums`, each int8 row's sum, the
+    panels of the kernels' `screen_product`), per-row `scales` s_j, and the bound's coefficients a_j = s_j |q_j|_2
+    and c_j = |r_j|_2 + gamma_K |W_j|_2, rounded up to float32; hidden rows take codes in [-`levels`, `levels`],
+    passed to the product as unsigned codes with zero point `levels` + 1."""
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -65,6 +71,7 @@ class HeadScreen:
     a: torch.Tensor
     c: torch.Tensor
     levels: int
+    sums: torch.Tensor | None = None
 
     @property
     def zero_point(self) -> int:
@@ -165,10 +172,14 @@ def screen_tokens(hidden: torch.Tensor, weight: torch.Tensor, screen: HeadScreen
 
 
 def _int8_product(codes: torch.Tensor, screen: HeadScreen, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows, V] float32: s_j (q_j . p) for the uint8 `codes` [rows, K] (zero point `screen.zero_point`), by
-    oneDNN; with `out` (contiguous [rows, V] float32), computed into it (oneDNN's "sum" post-op into `out` zeroed:
-    the same values)."""
+    """[rows, V] float32: s_j (q_j . p) for the uint8 `codes` [rows, K] (zero point `screen.zero_point`), by the
+    kernels' `screen_product` where the screen holds its panels, else by oneDNN; with `out` (contiguous [rows, V]
+    float32), computed into it (oneDNN's "sum" post-op into `out` zeroed: the same values)."""
     zero = screen.zero_point
+    if screen.sums is not None:
+        own = torch.empty(codes.shape[0], screen.scales.shape[0]) if out is None else out
+        kernel_module().screen_product(codes, screen.packed, screen.sums, screen.scales, zero, own)
+        return own
     if out is None:
         return torch.ops.onednn.qlinear_pointwise(codes, 1.0, zero, screen.packed, screen.scales,
                                                   screen.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
@@ -180,15 +191,21 @@ def _int8_product(codes: torch.Tensor, screen: HeadScreen, out: torch.Tensor | N
 def build_screen(weight: torch.Tensor, levels: int | None = None) -> HeadScreen | None:
     """The screen of a head `weight` [V, K] (float32 or bfloat16; its int8 rows and bound coefficients by
     `csrc/head_screen.cpp`'s `screen_codes`) for hidden codes in [-`levels`, `levels`] (127 or 63; default
-    `code_levels()`), or None when its weights are not finite or (logged) oneDNN's quantised product fails the
-    self-check."""
-    int8, scales, a, c = kernel_module().screen_codes(weight.contiguous())
+    `code_levels()`), or None when its weights are not finite or (logged) its int8 product (the kernels' for 7-bit
+    codes where built, else oneDNN's) fails the self-check."""
+    module = kernel_module()
+    int8, scales, a, c = module.screen_codes(weight.contiguous())
     if not bool(torch.isfinite(scales).all()):
         return None
-    screen = HeadScreen(torch.ops.onednn.qlinear_prepack(int8, None), scales,
-                        torch.zeros(weight.shape[0], dtype=torch.long), a, c, levels or code_levels())
+    levels = levels or code_levels()
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    if levels <= OWN_PRODUCT_LEVELS and module.has_screen_product():
+        panels, sums = module.screen_pack(int8)
+        screen = HeadScreen(panels, scales, zero_points, a, c, levels, sums)
+    else:
+        screen = HeadScreen(torch.ops.onednn.qlinear_prepack(int8, None), scales, zero_points, a, c, levels)
     if not _products_exact(screen, int8):
-        logger.warning("contbatch: oneDNN's int8 product failed the head screen's check; computing full logits")
+        logger.warning("contbatch: the int8 product failed the head screen's check; computing full logits")
         return None
     return screen
 

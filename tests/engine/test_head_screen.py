@@ -173,6 +173,33 @@ def test_without_vnni_8_bit_codes_fail_the_self_check_and_7_bit_ones_pass() -> N
     assert screen is not None and screen.levels == 63
 
 
+@pytest.mark.skipif(not kernel_module().has_screen_product(), reason="screen_product needs AVX2")
+@pytest.mark.parametrize(("vocab", "k"), [(1003, 72), (4099, 575)])
+def test_the_kernels_int8_product_is_onednns_bit_for_bit(vocab: int, k: int) -> None:
+    """`screen_product` over `screen_pack`'s panels (a vocabulary and a k that are not whole panels and quads) gives
+    oneDNN's s_j (c . q_j) bit for bit, for 1 to 9 rows (whole tiles of 4 and remainders) of random and extreme
+    7-bit codes; a screen of 7-bit codes holds its panels, one of 8-bit codes oneDNN's layout."""
+    weight, _ = _head_and_hidden(vocab, k, 4)
+    module = kernel_module()
+    int8, scales = module.screen_codes(weight)[:2]
+    panels, sums = module.screen_pack(int8)
+    assert panels.shape == (-(-vocab // 16), -(-k // 4), 64)
+    assert torch.equal(sums[:vocab], int8.sum(1, dtype=torch.int32)) and not bool(sums[vocab:].any())
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(-63, 64, (9, k), generator=generator)
+    codes[0], codes[1], codes[2] = 63, -63, (torch.arange(k) % 2) * 126 - 63
+    shifted = (codes + 64).to(torch.uint8)
+    reference = torch.ops.onednn.qlinear_pointwise(shifted, 1.0, 64, torch.ops.onednn.qlinear_prepack(int8, None),
+                                                   scales, torch.zeros(vocab, dtype=torch.long), None, 1.0, 0,
+                                                   torch.float32, "none", [], "")
+    for rows in (1, 4, 5, 9):
+        out = torch.full((rows, vocab), 7.0)
+        module.screen_product(shifted[:rows].contiguous(), panels, sums, scales, 64, out)
+        assert torch.equal(out, reference[:rows])
+    assert build_screen(weight, 63).sums is not None  # type: ignore[union-attr]
+    assert build_screen(weight, 127) is None or build_screen(weight, 127).sums is None  # type: ignore[union-attr]
+
+
 def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above `REUSED_OUTPUT_BYTES` the int8 product is computed into the thread's buffer (`head_buffer`), reused by
     later products of any size up to it, and the tokens are those of a fresh product: nothing of an earlier

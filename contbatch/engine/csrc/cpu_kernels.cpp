@@ -143,6 +143,12 @@ torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& st
                             const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
 bool has_vnni();
 
+// screen_product.cpp
+bool has_screen_product();
+std::tuple<torch::Tensor, torch::Tensor> screen_pack(const torch::Tensor& int8);
+void screen_product(const torch::Tensor& codes, const torch::Tensor& panels, const torch::Tensor& sums,
+                    const torch::Tensor& scales, int64_t z, torch::Tensor& out);
+
 // rope.cpp
 std::vector<torch::Tensor> rope(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& cos,
                                 const torch::Tensor& sin);
@@ -176,6 +182,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_codes", &screen_codes, kNoGil, "the head screen's int8 head rows, scales and bound coefficients");
   m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");
   m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");
+  m.def("has_screen_product", &has_screen_product, "whether screen_product is built (AVX2)");
+  m.def("screen_pack", &screen_pack, kNoGil, "the head screen's int8 rows in panels for screen_product");
+  m.def("screen_product", &screen_product, kNoGil, "s_j (c . q_j) for 7-bit hidden codes, into out (AVX2)");
   m.def("draw_rows", &draw_rows, kNoGil, "one token per row drawn from softmax over the whole row, and its logsumexp");
   m.def("has_draw_rows", &has_draw_rows, "whether draw_rows is built (AVX2)");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
