@@ -173,7 +173,8 @@ def test_without_vnni_8_bit_codes_fail_the_self_check_and_7_bit_ones_pass() -> N
     assert screen is not None and screen.levels == 63
 
 
-@pytest.mark.skipif(not kernel_module().has_screen_product(), reason="screen_product needs AVX2")
+@pytest.mark.skipif(kernel_module() is None or not kernel_module().has_screen_product(),
+                    reason="screen_product needs the kernels and AVX2")
 @pytest.mark.parametrize(("vocab", "k"), [(1003, 72), (4099, 575)])
 def test_the_kernels_int8_product_is_onednns_bit_for_bit(vocab: int, k: int) -> None:
     """`screen_product` over `screen_pack`'s panels (a vocabulary and a k that are not whole panels and quads) gives
