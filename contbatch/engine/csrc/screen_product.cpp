@@ -9,7 +9,7 @@
 // summed in int16: at most 2 x 127 x 127 = 32,258 with 7-bit codes, so never saturated) and widens the pairs with
 // `vpmaddwd` into int32 sums of 4, added to the accumulators. Every sum is exact: |u . q_j| <= K x 127 x 127, below
 // 2^31 for K < 133,000. The result is u . q_j - z sum_k q_jk = c . q_j, an integer of magnitude at most
-// K x 63 x 127 (below 2^24 for K < 2,097: exact in float32), times s_j in float32: one rounding, as oneDNN's.
+// K x 63 x 127 (exact in float32 for K < 2,097, else rounded once there), times s_j in float32, as oneDNN's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
