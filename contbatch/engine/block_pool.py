@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 BlockHash = bytes
 
@@ -28,18 +28,30 @@ class BlockPool:
     cache holds stops growing at the limit (or at what held blocks need, if more) instead of filling the whole
     pool with cached content, and new blocks stop costing page faults. None: new blocks before evictions, which
     keeps cached content longest where the memory is committed anyway (a GPU).
+
+    `runs` (off by default) keeps each owner's blocks in runs of consecutive ids, so that a request's keys and
+    values lie in one stretch of memory (a CPU reads it with far fewer TLB misses): `allocate` with an `owner`
+    hands out the owner's reserved blocks first, then a run of free ids right after its block `after` where
+    those are free, else the lowest-id free run that fits, and sets the next `reserve` ids of that run aside for
+    the owner's later growth. Reserved blocks still count as free: when nothing plain is free they are taken
+    (most recent reservation first) before a cached block is evicted, so reserving never changes whether an
+    allocation fits. `release` gives an owner's reserve back.
     """
 
-    def __init__(self, num_blocks: int, touch_limit: int | None = None) -> None:
+    def __init__(self, num_blocks: int, touch_limit: int | None = None, runs: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if touch_limit is not None and touch_limit < 1:
             raise ValueError(f"touch_limit must be >= 1 or None, got {touch_limit}")
         self.num_blocks = num_blocks
         self.touch_limit = touch_limit
+        self.runs = runs
         self.num_touched = 0
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_map = bytearray(b"\x01") * num_blocks
+        self._reserves: dict[Hashable, deque[int]] = {}
+        self._num_reserved = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
         self._block_hash: dict[int, BlockHash] = {}
@@ -47,7 +59,17 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out: plain free ones plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + self._num_reserved
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Free blocks set aside for their owners' growth (see `runs`)."""
+        return self._num_reserved
+
+    @property
+    def reserve_owners(self) -> list[Hashable]:
+        """The owners holding a reserve (see `runs`)."""
+        return list(self._reserves)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -64,28 +86,98 @@ class BlockPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(self, num_blocks: int, owner: Hashable | None = None, after: int | None = None,
+                 reserve: int = 0) -> list[int]:
         """Takes `num_blocks` free blocks, each with ref count 1 and no cached content. Raises RuntimeError when
-        too few are free: callers check `can_allocate` first."""
+        too few are free: callers check `can_allocate` first. `owner`, `after` and `reserve` only matter with
+        `runs` on: the owner's reserve is used first, then a run after block `after` (see the class)."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
-        block_ids = []
-        for _ in range(num_blocks):
-            if self._free and not self._evicts_before_touching():
-                block_id = self._free.popleft()
-                self.num_touched = max(self.num_touched, block_id + 1)
-            else:
-                block_id, _ = self._evictable.popitem(last=False)
-                del self._cached[self._block_hash.pop(block_id)]
+        block_ids = self._take_reserved(owner, num_blocks) if self.runs and owner is not None else []
+        if self.runs and owner is not None and len(block_ids) < num_blocks:
+            need = num_blocks - len(block_ids)
+            run = self._find_run(block_ids[-1] if block_ids else after, need, need + max(reserve, 0))
+            for block_id in run:
+                self._take_free(block_id)
+            block_ids.extend(run[:need])
+            if len(run) > need:
+                self._reserves.setdefault(owner, deque()).extend(run[need:])
+                self._num_reserved += len(run) - need
+        while len(block_ids) < num_blocks:
+            block_ids.append(self._take_one())
+        for block_id in block_ids:
             self._ref_counts[block_id] = 1
-            block_ids.append(block_id)
         return block_ids
+
+    def release(self, owner: Hashable) -> None:
+        """Gives `owner`'s reserved blocks back to the front of the free queue. Unknown owners are ignored."""
+        reserved = self._reserves.pop(owner, None)
+        if reserved:
+            self._num_reserved -= len(reserved)
+            for block_id in reversed(reserved):
+                self._push_free(block_id)
+
+    def _take_one(self) -> int:
+        """One block for an allocation: a plain free one, else another owner's reserved one, else an evicted
+        cached one (see `_evicts_before_touching` for a touch limit)."""
+        if self._free and not self._evicts_before_touching():
+            block_id = next(iter(self._free))
+            self._take_free(block_id)
+            return block_id
+        if self._num_reserved:
+            owner, reserved = next(reversed(self._reserves.items()))
+            block_id = reserved.pop()
+            self._num_reserved -= 1
+            if not reserved:
+                del self._reserves[owner]
+            return block_id
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._cached[self._block_hash.pop(block_id)]
+        return block_id
+
+    def _take_reserved(self, owner: Hashable, num_blocks: int) -> list[int]:
+        reserved = self._reserves.get(owner)
+        if not reserved:
+            return []
+        taken = [reserved.popleft() for _ in range(min(num_blocks, len(reserved)))]
+        self._num_reserved -= len(taken)
+        if not reserved:
+            del self._reserves[owner]
+        return taken
+
+    def _find_run(self, after: int | None, need: int, want: int) -> list[int]:
+        """Up to `want` consecutive free ids: right after `after` if at least `need` are free there, else the
+        lowest-id free run of `want`, else of `need`; empty if there is none. Stays below the touch limit while
+        a cached block could be evicted instead, and takes untouched ids only from the lowest one on."""
+        limit = self.num_blocks
+        if self.touch_limit is not None and self._evictable:
+            limit = min(limit, max(self.num_touched, self.touch_limit))
+        if after is not None and after + 1 < limit:
+            start, end = after + 1, min(after + 1 + want, limit)
+            stop = self._free_map.find(0, start, end)
+            if (end if stop < 0 else stop) - start >= need:
+                return list(range(start, end if stop < 0 else stop))
+        for length in (want, need):
+            start = self._free_map.find(b"\x01" * length, 0, limit)
+            if start >= 0:
+                return list(range(start, start + length))
+        return []
+
+    def _take_free(self, block_id: int) -> None:
+        del self._free[block_id]
+        self._free_map[block_id] = 0
+        self.num_touched = max(self.num_touched, block_id + 1)
+
+    def _push_free(self, block_id: int) -> None:
+        self._free[block_id] = None
+        self._free.move_to_end(block_id, last=False)
+        self._free_map[block_id] = 1
 
     def _evicts_before_touching(self) -> bool:
         """Whether the next block should be an evicted cached one although the free queue is not empty: only
         never-touched blocks are left there, the touch limit is reached, and a cached block is evictable."""
         return (self.touch_limit is not None and self.num_touched >= self.touch_limit and bool(self._evictable)
-                and self._free[0] >= self.num_touched)
+                and next(iter(self._free)) >= self.num_touched)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Adds a holder to blocks that are already held (block sharing)."""
@@ -106,7 +198,7 @@ class BlockPool:
                 if block_id in self._block_hash:
                     self._evictable[block_id] = None
                 else:
-                    self._free.appendleft(block_id)
+                    self._push_free(block_id)
 
     # --- prefix cache -----------------------------------------------------------------------------------------
 
@@ -131,7 +223,7 @@ class BlockPool:
         """Forgets every cached content (e.g. after the weights changed): evictable blocks become plain free
         blocks and held blocks stop being shareable."""
         for block_id in self._evictable:
-            self._free.appendleft(block_id)
+            self._push_free(block_id)
         self._evictable.clear()
         self._cached.clear()
         self._block_hash.clear()
@@ -141,16 +233,25 @@ class BlockPool:
         block free and nothing cached: else raises RuntimeError."""
         if not self.is_whole or self._cached:
             raise RuntimeError("forget_touched needs every block free and an empty prefix cache")
-        self._free = deque(range(self.num_blocks))
+        self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self._free_map = bytearray(b"\x01") * self.num_blocks
+        self._reserves.clear()
+        self._num_reserved = 0
         self.num_touched = 0
 
     def check_integrity(self) -> None:
         """Raises AssertionError if an invariant is broken (a bookkeeping bug, never a user error)."""
         free = set(self._free)
-        assert len(free) == len(self._free), "a block is in the free queue twice"
-        assert not free & set(self._evictable), "a block is both free and evictable"
+        reserved = [block_id for blocks in self._reserves.values() for block_id in blocks]
+        assert len(set(reserved)) == len(reserved) == self._num_reserved, "reserve counts disagree"
+        assert all(self._reserves.values()), "an owner keeps an empty reserve"
+        assert not free & set(self._evictable) and not (free | set(self._evictable)) & set(reserved), \
+            "a block is in two of the free queue, the evictable set and a reserve"
+        assert all(block_id < self.num_touched for block_id in reserved), "an untouched block is reserved"
+        assert self._free_map == bytearray(int(b in free) for b in range(self.num_blocks)), "free map disagrees"
+        unused_ids = free | set(self._evictable) | set(reserved)
         for block_id, count in enumerate(self._ref_counts):
-            unused = block_id in free or block_id in self._evictable
+            unused = block_id in unused_ids
             assert count >= 0, f"block {block_id} has ref count {count}"
             assert (count == 0) == unused, f"block {block_id}: ref count {count}, unused={unused}"
         for block_id in self._evictable:

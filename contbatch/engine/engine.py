@@ -80,7 +80,7 @@ class LLMEngine:
             spec, groups, self.config.block_size, max(free, 0), self.config.max_memory_percent
         )
         self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device, groups)
-        self.block_pool = BlockPool(num_blocks, resident_block_limit(self.cache))
+        self.block_pool = BlockPool(num_blocks, resident_block_limit(self.cache), runs=True)
         self.kv_manager = KVCacheManager(
             self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0,
             enable_caching=self.config.allow_block_sharing,

@@ -13,6 +13,7 @@ from contbatch.engine.block_pool import BlockHash, BlockPool
 from contbatch.engine.request import Request
 
 DEAD_BLOCK = -1
+MAX_RESERVED_BLOCKS = 32
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -136,15 +137,21 @@ class KVCacheManager:
         tables = self._tables[request.request_id]
         copies = []
         for group, index in self._blocks_to_copy(request, tables):
-            (new_block,) = self.pool.allocate(1)
+            (new_block,) = self.pool.allocate(1, (request.request_id, group), _live(tables[group][index - 1:index]))
             copies.append((tables[group][index], new_block))
             self.pool.free([tables[group][index]])
             tables[group][index] = new_block
         length = -(-num_tokens // self.block_size)
-        for table in tables:
+        growth = max(min(self._expected_blocks(request) - length, MAX_RESERVED_BLOCKS), 0)
+        for group, table in enumerate(tables):
             if length > len(table):
-                table.extend(self.pool.allocate(length - len(table)))
+                table.extend(self.pool.allocate(length - len(table), (request.request_id, group), _live(table),
+                                                growth))
         return copies
+
+    def _expected_blocks(self, request: Request) -> int:
+        """The blocks `request` holds once it has generated all it may."""
+        return -(-(request.num_prompt_tokens + request.params.max_new_tokens) // self.block_size)
 
     def _blocks_to_copy(self, request: Request, tables: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         """(group, index) of the blocks `request` writes into next that others hold too."""
@@ -281,8 +288,9 @@ class KVCacheManager:
         for block_hash in self._owned.pop(request_id, ()):
             if self._pending.get(block_hash) == request_id:
                 del self._pending[block_hash]
-        for table in tables or ():
+        for group, table in enumerate(tables or ()):
             self.pool.free(block_id for block_id in reversed(table) if block_id != DEAD_BLOCK)
+            self.pool.release((request_id, group))
 
     def check_integrity(self) -> None:
         """The ref count of every block equals the number of tables that hold it; a request's tables have one
@@ -296,7 +304,14 @@ class KVCacheManager:
                     holders[block_id] += 1
         for block_id, count in enumerate(holders):
             assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count != {count} holders"
+        for owner in self.pool.reserve_owners:
+            assert isinstance(owner, tuple) and owner[0] in self._tables, f"{owner} holds a reserve, no blocks"
         self.pool.check_integrity()
+
+
+def _live(table: Sequence[int]) -> int | None:
+    """The last block of `table` if it is live (an allocation hint), else None."""
+    return table[-1] if table and table[-1] != DEAD_BLOCK else None
 
 
 def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
