@@ -93,8 +93,9 @@ class BlockPool:
         `runs` on: the owner's reserve is used first, then a run after block `after` (see the class)."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
-        block_ids = self._take_reserved(owner, num_blocks) if self.runs and owner is not None else []
-        if self.runs and owner is not None and len(block_ids) < num_blocks:
+        in_runs = self.runs and owner is not None
+        block_ids = self._take_reserved(owner, num_blocks) if in_runs else []
+        if in_runs and len(block_ids) < num_blocks:
             need = num_blocks - len(block_ids)
             run = self._find_run(block_ids[-1] if block_ids else after, need, need + max(reserve, 0))
             for block_id in run:
@@ -157,7 +158,7 @@ class BlockPool:
             stop = self._free_map.find(0, start, end)
             if (end if stop < 0 else stop) - start >= need:
                 return list(range(start, end if stop < 0 else stop))
-        for length in (want, need):
+        for length in dict.fromkeys((want, need)):
             start = self._free_map.find(b"\x01" * length, 0, limit)
             if start >= 0:
                 return list(range(start, start + length))
