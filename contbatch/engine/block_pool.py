@@ -22,6 +22,8 @@ class BlockPool:
     back (the most recently freed are reused first, keeping the touched memory close to its peak). Only when no
     plain block is left does it evict cached blocks, least recently used first. Blocks never handed out wait at
     the back of the queue in id order: the ids below `num_touched` are exactly those handed out at least once.
+    The untouched ids are that range, not entries of a queue, so creating a pool and checking it cost time in
+    the blocks touched, not in `num_blocks` (a small model's cache sized by memory has millions of blocks).
 
     `touch_limit` is for a cache whose memory is committed as it is first written (a CPU tensor): once
     `num_touched` reaches it, `allocate` evicts a cached block before it touches a new one, so the memory the
@@ -48,7 +50,7 @@ class BlockPool:
         self.runs = runs
         self.num_touched = 0
         self._ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._free_map = bytearray(b"\x01") * num_blocks
         self._reserves: dict[Hashable, deque[int]] = {}
         self._num_reserved = 0
@@ -59,7 +61,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out: plain free ones plus evictable cached ones."""
-        return len(self._free) + len(self._evictable) + self._num_reserved
+        return len(self._free) + self.num_blocks - self.num_touched + len(self._evictable) + self._num_reserved
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -82,6 +84,11 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def free_order(self) -> list[int]:
+        """The plain free blocks in the order `allocate` takes them: the freed ones, most recent first, then the
+        untouched ones in id order (reserved and evictable blocks excluded)."""
+        return [*self._free, *range(self.num_touched, self.num_blocks)]
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
@@ -121,8 +128,12 @@ class BlockPool:
     def _take_one(self) -> int:
         """One block for an allocation: a plain free one, else another owner's reserved one, else an evicted
         cached one (see `_evicts_before_touching` for a touch limit)."""
-        if self._free and not self._evicts_before_touching():
-            block_id = next(iter(self._free))
+        if self._free:
+            block_id, _ = self._free.popitem(last=False)
+            self._free_map[block_id] = 0
+            return block_id
+        if self.num_touched < self.num_blocks and not self._evicts_before_touching():
+            block_id = self.num_touched
             self._take_free(block_id)
             return block_id
         if self._num_reserved:
@@ -165,9 +176,14 @@ class BlockPool:
         return []
 
     def _take_free(self, block_id: int) -> None:
-        del self._free[block_id]
+        """Takes free block `block_id` out of the queue: a freed one, or the lowest untouched one."""
+        if block_id < self.num_touched:
+            del self._free[block_id]
+        elif block_id == self.num_touched:
+            self.num_touched += 1
+        else:
+            raise RuntimeError(f"block {block_id} taken before the untouched block {self.num_touched}")
         self._free_map[block_id] = 0
-        self.num_touched = max(self.num_touched, block_id + 1)
 
     def _push_free(self, block_id: int) -> None:
         self._free[block_id] = None
@@ -175,10 +191,9 @@ class BlockPool:
         self._free_map[block_id] = 1
 
     def _evicts_before_touching(self) -> bool:
-        """Whether the next block should be an evicted cached one although the free queue is not empty: only
-        never-touched blocks are left there, the touch limit is reached, and a cached block is evictable."""
-        return (self.touch_limit is not None and self.num_touched >= self.touch_limit and bool(self._evictable)
-                and next(iter(self._free)) >= self.num_touched)
+        """Whether the next block should be an evicted cached one although untouched blocks are left (no freed
+        one is): the touch limit is reached and a cached block is evictable."""
+        return self.touch_limit is not None and self.num_touched >= self.touch_limit and bool(self._evictable)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Adds a holder to blocks that are already held (block sharing)."""
@@ -234,7 +249,7 @@ class BlockPool:
         block free and nothing cached: else raises RuntimeError."""
         if not self.is_whole or self._cached:
             raise RuntimeError("forget_touched needs every block free and an empty prefix cache")
-        self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self._free = OrderedDict()
         self._free_map = bytearray(b"\x01") * self.num_blocks
         self._reserves.clear()
         self._num_reserved = 0
@@ -242,22 +257,22 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raises AssertionError if an invariant is broken (a bookkeeping bug, never a user error)."""
-        free = set(self._free)
+        free, touched = set(self._free), self.num_touched
+        assert all(block_id < touched for block_id in free), "an untouched block is in the free queue"
         reserved = [block_id for blocks in self._reserves.values() for block_id in blocks]
         assert len(set(reserved)) == len(reserved) == self._num_reserved, "reserve counts disagree"
         assert all(self._reserves.values()), "an owner keeps an empty reserve"
         assert not free & set(self._evictable) and not (free | set(self._evictable)) & set(reserved), \
             "a block is in two of the free queue, the evictable set and a reserve"
         assert all(block_id < self.num_touched for block_id in reserved), "an untouched block is reserved"
-        assert self._free_map == bytearray(int(b in free) for b in range(self.num_blocks)), "free map disagrees"
+        assert self._free_map[:touched] == bytearray(int(b in free) for b in range(touched)), "free map disagrees"
+        assert self._free_map.find(0, touched) < 0 and not any(self._ref_counts[touched:]), "untouched block used"
         unused_ids = free | set(self._evictable) | set(reserved)
-        for block_id, count in enumerate(self._ref_counts):
+        for block_id, count in enumerate(self._ref_counts[:touched]):
             unused = block_id in unused_ids
             assert count >= 0, f"block {block_id} has ref count {count}"
             assert (count == 0) == unused, f"block {block_id}: ref count {count}, unused={unused}"
         for block_id in self._evictable:
             assert block_id in self._block_hash, f"evictable block {block_id} has no cached content"
-        untouched = list(self._free)[len(self._free) - (self.num_blocks - self.num_touched):]
-        assert untouched == list(range(self.num_touched, self.num_blocks)), "untouched blocks out of order"
         assert all(self._block_hash[b] == h for h, b in self._cached.items()), "cache maps disagree"
         assert len(self._cached) == len(self._block_hash), "cache maps disagree"

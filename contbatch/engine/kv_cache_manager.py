@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -295,14 +296,15 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """The ref count of every block equals the number of tables that hold it; a request's tables have one
         length; the dead entries of a table are its first ones."""
-        holders = [0] * self.pool.num_blocks
+        holders: Counter[int] = Counter()
         for request_id, tables in self._tables.items():
             assert len({len(table) for table in tables}) == 1, f"{request_id}: tables of different lengths"
             for table, num_dead in zip(tables, self._num_dead[request_id], strict=True):
                 assert table[:num_dead] == [DEAD_BLOCK] * num_dead and DEAD_BLOCK not in table[num_dead:]
-                for block_id in table[num_dead:]:
-                    holders[block_id] += 1
-        for block_id, count in enumerate(holders):
+                holders.update(table[num_dead:])
+        assert all(block_id < self.pool.num_touched for block_id in holders), "a table holds an untouched block"
+        for block_id in range(self.pool.num_touched):
+            count = holders[block_id]
             assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count != {count} holders"
         for owner in self.pool.reserve_owners:
             assert isinstance(owner, tuple) and owner[0] in self._tables, f"{owner} holds a reserve, no blocks"

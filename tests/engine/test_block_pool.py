@@ -28,10 +28,10 @@ def test_freed_blocks_are_reused_first_in_table_order() -> None:
     first, second = pool.allocate(2), pool.allocate(2)
     assert (first, second) == ([0, 1], [2, 3])
     pool.free(reversed(second))
-    assert list(pool._free) == [2, 3, 4, 5]
+    assert pool.free_order() == [2, 3, 4, 5]
     assert pool.allocate(3) == [2, 3, 4]
     pool.free(reversed(first))
-    assert list(pool._free) == [0, 1, 5]
+    assert pool.free_order() == [0, 1, 5]
     pool.check_integrity()
 
 
@@ -51,9 +51,9 @@ def test_shared_block_is_freed_by_its_last_holder() -> None:
     pool.incref([block])
     assert pool.ref_count(block) == 2
     pool.free([block])
-    assert pool.ref_count(block) == 1 and block not in pool._free
+    assert pool.ref_count(block) == 1 and block not in pool.free_order()
     pool.free([block])
-    assert pool.ref_count(block) == 0 and next(iter(pool._free)) == block
+    assert pool.ref_count(block) == 0 and pool.free_order()[0] == block
     assert pool.is_whole
 
 
@@ -75,6 +75,18 @@ def test_integrity_check_catches_a_corrupted_pool() -> None:
         pool.check_integrity()
 
 
+def test_untouched_blocks_are_a_range_the_integrity_check_guards() -> None:
+    pool = BlockPool(2_000_000)
+    held = pool.allocate(3)
+    pool.free([held[1]])
+    assert pool.num_touched == 3 and pool.num_free_blocks == 2_000_000 - 2
+    assert pool.free_order()[:3] == [1, 3, 4] and len(pool.free_order()) == 2_000_000 - 2
+    pool.check_integrity()
+    pool._free[7] = None
+    with pytest.raises(AssertionError, match="untouched block is in the free queue"):
+        pool.check_integrity()
+
+
 def test_manager_grows_tables_by_whole_blocks() -> None:
     manager = KVCacheManager(BlockPool(10), block_size=4)
     a, b = make_request("a"), make_request("b")
@@ -90,7 +102,7 @@ def test_manager_grows_tables_by_whole_blocks() -> None:
     manager.free("a")
     manager.free("a")
     assert manager.block_table("a") == []
-    assert list(manager.pool._free)[:3] == [0, 1, 3]
+    assert manager.pool.free_order()[:3] == [0, 1, 3]
     manager.free("b")
     assert manager.pool.is_whole
     manager.check_integrity()

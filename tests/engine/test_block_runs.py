@@ -53,7 +53,7 @@ def test_release_gives_the_reserve_back_in_id_order() -> None:
     pool.release("a")
     pool.release("a")
     pool.free(reversed(held))
-    assert list(pool._free) == list(range(8)) and pool.is_whole and pool.num_reserved_blocks == 0
+    assert pool.free_order() == list(range(8)) and pool.is_whole and pool.num_reserved_blocks == 0
     pool.check_integrity()
 
 

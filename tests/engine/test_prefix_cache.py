@@ -75,11 +75,11 @@ def test_plain_free_blocks_are_used_before_cached_ones_and_reset_forgets() -> No
     held = pool.allocate(2)
     pool.cache(held[0], b"x")
     pool.free(held)
-    assert list(pool._free) == [1, 2] and list(pool._evictable) == [0]
+    assert pool.free_order() == [1, 2] and list(pool._evictable) == [0]
     assert pool.allocate(2) == [1, 2]
     assert pool.lookup(b"x") == 0
     pool.reset_prefix_cache()
-    assert pool.lookup(b"x") is None and list(pool._free) == [0] and not pool._evictable
+    assert pool.lookup(b"x") is None and pool.free_order() == [0] and not pool._evictable
     pool.check_integrity()
 
 
