@@ -39,9 +39,12 @@ ARCH_TESTS := tests/engine/test_cpu_arch.py tests/engine/test_decode_kernel.py t
 	tests/engine/test_fused_modules.py tests/engine/test_fused_attention.py tests/engine/test_packed_weights.py \
 	tests/engine/test_bfloat16.py tests/engine/test_parity.py
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a process so that module fixtures load once.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest tests
-	CONTBATCH_CPU_ARCH=$$($(BIN)/python tests/narrower_arch.py) $(BIN)/python -m pytest $(ARCH_TESTS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	CONTBATCH_CPU_ARCH=$$($(BIN)/python tests/narrower_arch.py) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARCH_TESTS)
 
 # Opt-in integration paths too slow for `make test` (Ray Data's start-up: about a minute on 2 cores); `make test`
 # covers the Ray integration through the driver's replicas.
