@@ -60,7 +60,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks `allocate` can hand out: plain free ones plus evictable cached ones."""
+        """Blocks `allocate` can hand out: freed, untouched, reserved and evictable cached ones."""
         return len(self._free) + self.num_blocks - self.num_touched + len(self._evictable) + self._num_reserved
 
     @property
@@ -264,7 +264,7 @@ class BlockPool:
         assert all(self._reserves.values()), "an owner keeps an empty reserve"
         assert not free & set(self._evictable) and not (free | set(self._evictable)) & set(reserved), \
             "a block is in two of the free queue, the evictable set and a reserve"
-        assert all(block_id < self.num_touched for block_id in reserved), "an untouched block is reserved"
+        assert all(block_id < touched for block_id in reserved), "an untouched block is reserved"
         assert self._free_map[:touched] == bytearray(int(b in free) for b in range(touched)), "free map disagrees"
         assert self._free_map.find(0, touched) < 0 and not any(self._ref_counts[touched:]), "untouched block used"
         unused_ids = free | set(self._evictable) | set(reserved)
