@@ -1,6 +1,6 @@
 // contbatch's CPU kernels besides decode attention (decode_attention.cpp) and the panel product (panel_gemm.cpp):
-// writing a layer's new K/V rows into the paged cache, and greedy argmax over float32 logits; and the module that
-// exposes all of them.
+// writing a layer's new K/V rows into the paged cache, and greedy argmax over float32 logits (their bindings:
+// bindings.cpp).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,9 +13,9 @@
 // Stores row (h, t) at cache (h, slots[t]) (of rows sharing a slot, one is kept). A decode step writes one row per
 // request into lines no core has touched since the previous step: ordinary stores first read each line from memory.
 // Where rows are whole 32-byte vectors the rows are written with non-temporal stores instead, which skip that read.
-void write_rows(torch::Tensor cache, const torch::Tensor& rows, const torch::Tensor& slots) {
+void write_rows(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slots) {
   TORCH_CHECK(cache.is_contiguous() && rows.dim() == 3 && rows.stride(2) == 1 && cache.dim() == 3);
-  TORCH_CHECK(rows.dtype() == cache.dtype() && slots.dtype() == torch::kInt64 && slots.is_contiguous());
+  TORCH_CHECK(rows.dtype() == cache.dtype() && slots.dtype() == at::kLong && slots.is_contiguous());
   TORCH_CHECK(rows.size(0) == cache.size(0) && rows.size(1) == slots.size(0) && rows.size(2) == cache.size(2));
   const int64_t heads = cache.size(0), num_slots = cache.size(1), count = rows.size(1);
   const int64_t row_bytes = cache.size(2) * cache.element_size(), item = rows.element_size();
@@ -95,14 +95,14 @@ static void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t* index) 
 }
 
 // logits: [N, V] float32 or bfloat16, contiguous. Returns [N] int64, row r's `argmax_row`: torch.argmax(logits, -1).
-torch::Tensor row_argmax(const torch::Tensor& logits) {
+at::Tensor row_argmax(const at::Tensor& logits) {
   const auto dtype = logits.scalar_type();
-  TORCH_CHECK(logits.dim() == 2 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && logits.is_contiguous(),
+  TORCH_CHECK(logits.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && logits.is_contiguous(),
               "logits: [N, V] contiguous float32 or bfloat16");
   TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
   const int64_t rows = logits.size(0), cols = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
-  if (dtype == torch::kFloat32) {
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  if (dtype == at::kFloat) {
     argmax_rows(logits.data_ptr<float>(), rows, cols, out.data_ptr<int64_t>());
   } else {
     argmax_rows(logits.data_ptr<at::BFloat16>(), rows, cols, out.data_ptr<int64_t>());
@@ -115,77 +115,4 @@ int64_t parallel_threads() {
   std::vector<int> used(at::get_num_threads() + 1, 0);
   at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
   return std::count(used.begin(), used.end(), 1);
-}
-
-// decode_attention.cpp
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                                     const torch::Tensor& value_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& lengths, const torch::Tensor& first, double scale,
-                                     double softcap, int64_t queries_per_request,
-                                     const c10::optional<torch::Tensor>& row_requests,
-                                     const c10::optional<torch::Tensor>& sinks);
-
-// panel_gemm.cpp
-bool has_panel_gemm();
-bool has_wide_panels();
-bool has_pair_panels();
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                           const c10::optional<torch::Tensor>& bias);
-
-// fused_ops.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
-
-// head_screen.cpp
-std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden, int64_t levels);
-std::vector<torch::Tensor> screen_codes(const torch::Tensor& weight);
-torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
-                            const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight);
-bool has_vnni();
-
-// screen_product.cpp
-bool has_screen_product();
-std::tuple<torch::Tensor, torch::Tensor> screen_pack(const torch::Tensor& int8);
-void screen_product(const torch::Tensor& codes, const torch::Tensor& panels, const torch::Tensor& sums,
-                    const torch::Tensor& scales, int64_t z, torch::Tensor& out);
-
-// rope.cpp
-std::vector<torch::Tensor> rope(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& cos,
-                                const torch::Tensor& sin);
-
-// draw_rows.cpp
-std::vector<torch::Tensor> draw_rows(const torch::Tensor& scores, const torch::Tensor& uniforms);
-bool has_draw_rows();
-
-// The compute kernels run without the GIL (they touch no Python object): other Python threads (a server's event
-// loop, a trainer beside the engine thread) run while a kernel does, instead of waiting for its end.
-const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_rows", &write_rows, kNoGil, "store K/V rows at cache slots");
-  namespace py = pybind11;
-  m.def("paged_decode_attention", &paged_decode_attention, kNoGil, "paged attention of query rows (CPU)",
-        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slots"), py::arg("lengths"),
-        py::arg("first"), py::arg("scale"), py::arg("softcap"), py::arg("queries_per_request"),
-        py::arg("row_requests") = py::none(), py::arg("sinks") = py::none());
-  m.def("row_argmax", &row_argmax, kNoGil, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
-  m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
-  m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");
-  m.def("has_pair_panels", &has_pair_panels, "whether panel_linear takes bfloat16 panels in k pairs (AVX512-BF16)");
-  m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
-  m.def("rms_norm", &rms_norm, kNoGil, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
-  m.def("silu_mul", &silu_mul, kNoGil, "F.silu(gate) * up (CPU, float32 or bfloat16)");
-  m.def("rope", &rope, kNoGil, "apply_rotary_pos_emb over query and key rows (CPU, float32 or bfloat16)");
-  m.def("screen_quantize", &screen_quantize, kNoGil,
-        "hidden rows as integer codes in [-levels, levels] + levels + 1, with their scale and error norms",
-        py::arg("hidden"), py::arg("levels"));
-  m.def("screen_codes", &screen_codes, kNoGil, "the head screen's int8 head rows, scales and bound coefficients");
-  m.def("screen_tokens", &screen_tokens, kNoGil, "greedy tokens of the output head through the int8 screen");
-  m.def("has_vnni", &has_vnni, "whether the build targets a CPU with VNNI");
-  m.def("has_screen_product", &has_screen_product, "whether screen_product is built (AVX2)");
-  m.def("screen_pack", &screen_pack, kNoGil, "the head screen's int8 rows in panels for screen_product");
-  m.def("screen_product", &screen_product, kNoGil, "s_j (c . q_j) for 7-bit hidden codes, into out (AVX2)");
-  m.def("draw_rows", &draw_rows, kNoGil, "one token per row drawn from softmax over the whole row, and its logsumexp");
-  m.def("has_draw_rows", &has_draw_rows, "whether draw_rows is built (AVX2)");
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses in this extension");
 }

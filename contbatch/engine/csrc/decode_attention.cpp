@@ -321,17 +321,17 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
 // batch: any rows of any requests, a whole step in one call; `queries_per_request` is then ignored). Returns
 // [R, H, D] in the query's dtype. `sinks` ([H] float32), when given, adds each head's sink logit to its softmax's
 // denominator (attention sinks: gpt-oss's `s_aux`).
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                                     const torch::Tensor& value_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& lengths, const torch::Tensor& first, double scale,
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& slots,
+                                     const at::Tensor& lengths, const at::Tensor& first, double scale,
                                      double softcap, int64_t queries_per_request,
-                                     const c10::optional<torch::Tensor>& row_requests,
-                                     const c10::optional<torch::Tensor>& sinks) {
+                                     const c10::optional<at::Tensor>& row_requests,
+                                     const c10::optional<at::Tensor>& sinks) {
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
-  TORCH_CHECK(slots.is_contiguous() && slots.dtype() == torch::kInt64);
+  TORCH_CHECK(slots.is_contiguous() && slots.dtype() == at::kLong);
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
   const bool ragged = row_requests.has_value() && row_requests->defined();
@@ -340,7 +340,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
               batch, " query rows, ", queries_per_request, " per request, got ", slots.size(0), " rows");
   const int64_t* request_of = nullptr;
   if (ragged) {
-    TORCH_CHECK(row_requests->numel() == batch && row_requests->dtype() == torch::kInt64 &&
+    TORCH_CHECK(row_requests->numel() == batch && row_requests->dtype() == at::kLong &&
                     row_requests->is_contiguous(), "row_requests: [R] contiguous int64, a request for each row");
     request_of = row_requests->data_ptr<int64_t>();
     for (int64_t r = 0; r < batch; ++r)
@@ -350,18 +350,18 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(lengths.numel() == batch && first.numel() == batch, "a length and a first position for each row");
   TORCH_CHECK(lengths.is_contiguous() && first.is_contiguous(), "contiguous lengths and first positions");
   const bool has_sinks = sinks.has_value() && sinks->defined();
-  TORCH_CHECK(!has_sinks || (sinks->numel() == heads && sinks->scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(!has_sinks || (sinks->numel() == heads && sinks->scalar_type() == at::kFloat &&
                              sinks->is_contiguous()), "sinks: [H] contiguous float32, one for each query head");
   const float* sink = has_sinks ? sinks->data_ptr<float>() : nullptr;
-  const torch::Tensor q32 = query.to(torch::kFloat32);
-  auto output = torch::empty_like(q32);
+  const at::Tensor q32 = query.to(at::kFloat);
+  auto output = at::empty_like(q32);
   const float* q = q32.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
   const int64_t* start = first.data_ptr<int64_t>();
   float* out = output.data_ptr<float>();
   const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
-  if (dtype == torch::kFloat32) {
+  if (dtype == at::kFloat) {
     attend_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
                  kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32, softcap32, sink);
     return output;

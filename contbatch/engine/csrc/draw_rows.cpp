@@ -81,14 +81,14 @@ static int64_t draw_row(const float* x, int64_t n, double u, std::vector<double>
 
 // scores [M, V] float32 contiguous (a row's maximum finite), uniforms [M] float64 in [0, 1) -> (tokens [M] int64,
 // log_norm [M] float32: each row's logsumexp, the shift plus the log of the float64 total).
-std::vector<torch::Tensor> draw_rows(const torch::Tensor& scores, const torch::Tensor& uniforms) {
-  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == torch::kFloat32 && scores.is_contiguous());
-  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.numel() == scores.size(0) &&
+std::vector<at::Tensor> draw_rows(const at::Tensor& scores, const at::Tensor& uniforms) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous());
+  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.numel() == scores.size(0) &&
               uniforms.is_contiguous(), "one float64 uniform per row");
   const int64_t rows = scores.size(0), n = scores.size(1);
   TORCH_CHECK(n > 0, "rows of at least one token");
-  auto tokens = torch::empty({rows}, scores.options().dtype(torch::kInt64));
-  auto log_norm = torch::empty({rows}, scores.options());
+  auto tokens = at::empty({rows}, scores.options().dtype(at::kLong));
+  auto log_norm = at::empty({rows}, scores.options());
   const float* x = scores.data_ptr<float>();
   const double* u = uniforms.data_ptr<double>();
   int64_t* out = tokens.data_ptr<int64_t>();

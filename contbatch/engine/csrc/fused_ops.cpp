@@ -69,9 +69,9 @@ void silu_mul_rows(const T* g, const T* u, T* y, int64_t count) {
   });
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16), name,
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == at::kFloat || dtype == at::kBFloat16), name,
               ": [M, n] contiguous float32 or bfloat16");
 }
 
@@ -79,13 +79,13 @@ void check_rows(const torch::Tensor& x, const char* name) {
 
 // x [M, n] and weight [n], both float32 or both bfloat16, contiguous. Returns LlamaRMSNorm's forward: weight *
 // (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype), in x's dtype.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(), "weight: [n] contiguous, of x's dtype");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   if (x.numel() == 0) return y;
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1),
                   static_cast<float>(eps));
   } else {
@@ -96,12 +96,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // gate and up [M, n], both float32 or both bfloat16, contiguous. Returns F.silu(gate) * up in their dtype.
-torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_rows(gate, "gate");
   TORCH_CHECK(up.sizes() == gate.sizes() && up.is_contiguous() && up.scalar_type() == gate.scalar_type(),
               "up: contiguous, of gate's shape and dtype");
-  auto y = torch::empty_like(gate);
-  if (gate.scalar_type() == torch::kFloat32) {
+  auto y = at::empty_like(gate);
+  if (gate.scalar_type() == at::kFloat) {
     silu_mul_rows(gate.data_ptr<float>(), up.data_ptr<float>(), y.data_ptr<float>(), gate.numel());
   } else {
     silu_mul_rows(gate.data_ptr<at::BFloat16>(), up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),

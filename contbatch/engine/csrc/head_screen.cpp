@@ -38,13 +38,13 @@ static inline float up(double x) {
 
 // hidden [B, K] float32, code range L (127 or 63) -> (codes [B, K] uint8 = p + L + 1, stats [B, 3] float32: t, |e|_2
 // and |h|_2, the two norms rounded up). A row that is not finite gets t = NaN, which `screen_tokens` reports as -1.
-std::vector<torch::Tensor> screen_quantize(const torch::Tensor& hidden, int64_t levels) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous());
+std::vector<at::Tensor> screen_quantize(const at::Tensor& hidden, int64_t levels) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous());
   TORCH_CHECK(levels == 127 || levels == 63, "screen_quantize: code range must be 127 or 63, got ", levels);
   const double range = static_cast<double>(levels);
   const int64_t rows = hidden.size(0), k = hidden.size(1);
-  auto codes = torch::empty({rows, k}, hidden.options().dtype(torch::kUInt8));
-  auto stats = torch::empty({rows, 3}, hidden.options());
+  auto codes = at::empty({rows, k}, hidden.options().dtype(at::kByte));
+  auto stats = at::empty({rows, 3}, hidden.options());
   const float* h = hidden.data_ptr<float>();
   uint8_t* out = codes.data_ptr<uint8_t>();
   float* st = stats.data_ptr<float>();
@@ -113,15 +113,15 @@ static void quantize_rows(const W* weight, int64_t vocab, int64_t k, int8_t* cod
 // s_j = max |W_j| / 127 (at least the smallest normal float32) rounded up to float32, q_j = W_j / s_j rounded half to
 // even and clamped to [-127, 127], r_j = W_j - s_j q_j, and the bound's a_j = s_j |q_j|_2 and c_j = |r_j|_2 +
 // gamma_K |W_j|_2, each times 1 + 1e-9 and rounded up to float32.
-std::vector<torch::Tensor> screen_codes(const torch::Tensor& weight) {
+std::vector<at::Tensor> screen_codes(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous());
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
   const int64_t vocab = weight.size(0), k = weight.size(1);
-  auto codes = torch::empty({vocab, k}, weight.options().dtype(torch::kInt8));
-  auto options = weight.options().dtype(torch::kFloat32);
-  auto scales = torch::empty({vocab}, options), a = torch::empty({vocab}, options), c = torch::empty({vocab}, options);
+  auto codes = at::empty({vocab, k}, weight.options().dtype(at::kChar));
+  auto options = weight.options().dtype(at::kFloat);
+  auto scales = at::empty({vocab}, options), a = at::empty({vocab}, options), c = at::empty({vocab}, options);
   int8_t* q = codes.data_ptr<int8_t>();
-  if (weight.scalar_type() == torch::kBFloat16)
+  if (weight.scalar_type() == at::kBFloat16)
     quantize_rows(weight.data_ptr<c10::BFloat16>(), vocab, k, q, scales.data_ptr<float>(), a.data_ptr<float>(),
                   c.data_ptr<float>());
   else
@@ -292,8 +292,8 @@ static int64_t screen_row(const Screen& s, const float* h, const W* w, int64_t k
 }
 
 template <typename W>
-static void screen_rows(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
-                        const torch::Tensor& c, const torch::Tensor& hidden, const W* weight, int64_t* out) {
+static void screen_rows(const at::Tensor& scaled, const at::Tensor& stats, const at::Tensor& a,
+                        const at::Tensor& c, const at::Tensor& hidden, const W* weight, int64_t* out) {
   const int64_t rows = scaled.size(0), vocab = scaled.size(1), k = hidden.size(1);
   const float *scaled_rows = scaled.data_ptr<float>(), *st = stats.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -310,15 +310,15 @@ static void screen_rows(const torch::Tensor& scaled, const torch::Tensor& stats,
 // scaled [B, V] float32 = s_j (q_j.p_b); stats [B, 3] from `screen_quantize`; a, c [V] float32; hidden [B, K] float32
 // and weight [V, K] float32 or bfloat16. Returns [B] int64: each row's greedy token, -1 where its hidden row is not
 // finite.
-torch::Tensor screen_tokens(const torch::Tensor& scaled, const torch::Tensor& stats, const torch::Tensor& a,
-                            const torch::Tensor& c, const torch::Tensor& hidden, const torch::Tensor& weight) {
-  TORCH_CHECK(scaled.scalar_type() == torch::kFloat32 && scaled.is_contiguous() && scaled.dim() == 2);
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && weight.is_contiguous() && hidden.is_contiguous());
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
+at::Tensor screen_tokens(const at::Tensor& scaled, const at::Tensor& stats, const at::Tensor& a,
+                            const at::Tensor& c, const at::Tensor& hidden, const at::Tensor& weight) {
+  TORCH_CHECK(scaled.scalar_type() == at::kFloat && scaled.is_contiguous() && scaled.dim() == 2);
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && weight.is_contiguous() && hidden.is_contiguous());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
   const int64_t rows = scaled.size(0), vocab = scaled.size(1), k = hidden.size(1);
   TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == k && a.numel() == vocab && c.numel() == vocab);
-  auto tokens = torch::empty({rows}, scaled.options().dtype(torch::kInt64));
-  if (weight.scalar_type() == torch::kBFloat16)
+  auto tokens = at::empty({rows}, scaled.options().dtype(at::kLong));
+  if (weight.scalar_type() == at::kBFloat16)
     screen_rows(scaled, stats, a, c, hidden, weight.data_ptr<c10::BFloat16>(), tokens.data_ptr<int64_t>());
   else
     screen_rows(scaled, stats, a, c, hidden, weight.data_ptr<float>(), tokens.data_ptr<int64_t>());

@@ -27,7 +27,7 @@
 // rows, 1.3x at 16-64, as fast at 512 (docs/performance.md, "a twenty-second session").
 //
 // Without AVX2 + FMA nothing is built here (`has_panel_gemm()` is false) and the caller keeps its other path.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -322,14 +322,14 @@ bool has_pair_panels() {
 // x [M, K] contiguous, float32 or bfloat16; panels contiguous, of x's dtype: [P, K, 16] (bfloat16 lines interleaved,
 // see load_line), or for bfloat16 where `has_pair_panels()` [P, ceil(K / 2), 32] in k pairs; 16 (P - 1) < N <= 16 P;
 // bias [N] or None. Returns x @ W.T + bias, [M, N], in x's dtype (computed in float32).
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                           const c10::optional<torch::Tensor>& bias) {
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                           const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == at::kFloat || dtype == at::kBFloat16),
               "x: [M, K] contiguous float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
   const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kPanel;
-  TORCH_CHECK(!pairs || (has_pair_panels() && dtype == torch::kBFloat16),
+  TORCH_CHECK(!pairs || (has_pair_panels() && dtype == at::kBFloat16),
               "panels in k pairs ([P, ceil(K / 2), 32]) need bfloat16 and a build with AVX512-BF16");
   const int64_t steps_k = pairs ? (K + 1) / 2 : K;
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == dtype && panels.is_contiguous() &&
@@ -337,28 +337,28 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
               "panels: [P, K, 16] (bfloat16 also [P, ceil(K / 2), 32]) contiguous, of x's dtype and with the K of x");
   const int64_t P = panels.size(0);
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
-  torch::Tensor bias32;
+  at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype, "bias: [N] of x's dtype");
-    bias32 = bias->to(torch::kFloat32).contiguous();
+    bias32 = bias->to(at::kFloat).contiguous();
   }
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* bias_data = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
-  if (dtype == torch::kFloat32) {
+  if (dtype == at::kFloat) {
     panel_product<FloatPanels>(x.data_ptr<float>(), panels.data_ptr<float>(), bias_data, ys, M, K, N, P);
     return y;
   }
   const auto* bf16 = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
 #if defined(__AVX512BF16__)
   if (pairs) {
-    const torch::Tensor even = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x;
+    const at::Tensor even = K % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
     const auto* xs = reinterpret_cast<const int32_t*>(even.data_ptr<at::BFloat16>());
     panel_product<PairPanels>(xs, bf16, bias_data, ys, M, steps_k, N, P);
     return y.to(dtype);
   }
 #endif
-  const torch::Tensor x32 = x.to(torch::kFloat32);
+  const at::Tensor x32 = x.to(at::kFloat);
   panel_product<WidenedPanels>(x32.data_ptr<float>(), bf16, bias_data, ys, M, K, N, P);
   return y.to(dtype);
 }
@@ -371,8 +371,8 @@ bool has_wide_panels() { return false; }
 
 bool has_pair_panels() { return false; }
 
-torch::Tensor panel_linear(const torch::Tensor&, const torch::Tensor&, int64_t,
-                           const c10::optional<torch::Tensor>&) {
+at::Tensor panel_linear(const at::Tensor&, const at::Tensor&, int64_t,
+                           const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "panel_linear needs AVX2 and FMA");
 }
 

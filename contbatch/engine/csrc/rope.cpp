@@ -67,14 +67,14 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t tokens, int
   });
 }
 
-torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t dim = cos.size(1);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == cos.scalar_type() &&
                   x.size(0) == cos.size(0) && x.size(1) % dim == 0,
               "rows: [tokens, heads * head_dim] contiguous, of cos's dtype and tokens");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   if (x.numel() == 0) return y;
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>(), x.size(0),
               x.size(1) / dim, dim);
   } else {
@@ -89,10 +89,10 @@ torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& cos, const t
 // query [tokens, heads * head_dim] and key [tokens, kv_heads * head_dim] rows (the projections' outputs), cos and sin
 // [tokens, head_dim], all contiguous and of one dtype, float32 or bfloat16, head_dim even. Returns the rotated query
 // and key rows, as transformers' `apply_rotary_pos_emb` computes them (see the file's comment).
-std::vector<torch::Tensor> rope(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& cos,
-                                const torch::Tensor& sin) {
+std::vector<at::Tensor> rope(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
+                                const at::Tensor& sin) {
   const auto dtype = cos.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "rope: float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope: float32 or bfloat16");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
                   sin.scalar_type() == dtype && cos.size(1) % 2 == 0,
               "cos and sin: [tokens, head_dim] contiguous, of one dtype, head_dim even");

@@ -10,7 +10,7 @@
 // `vpmaddwd` into int32 sums of 4, added to the accumulators. Every sum is exact: |u . q_j| <= K x 127 x 127, below
 // 2^31 for K < 133,000. The result is u . q_j - z sum_k q_jk = c . q_j, an integer of magnitude at most
 // K x 63 x 127 (exact in float32 for K < 2,097, else rounded once there), times s_j in float32, as oneDNN's.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -69,32 +69,32 @@ constexpr ScreenTile kScreenTiles[kRows + 1] = {nullptr, screen_tile<1>, screen_
 bool has_screen_product() { return true; }
 
 // int8 [V, K] -> (panels [ceil(V / 16), ceil(K / 4), 64] int8, sums [16 ceil(V / 16)] int32: each row's sum).
-std::tuple<torch::Tensor, torch::Tensor> screen_pack(const torch::Tensor& int8) {
-  TORCH_CHECK(int8.dim() == 2 && int8.scalar_type() == torch::kInt8, "int8: [V, K] int8");
+std::tuple<at::Tensor, at::Tensor> screen_pack(const at::Tensor& int8) {
+  TORCH_CHECK(int8.dim() == 2 && int8.scalar_type() == at::kChar, "int8: [V, K] int8");
   const int64_t V = int8.size(0), K = int8.size(1), P = (V + kCols - 1) / kCols, quads = (K + kQuad - 1) / kQuad;
-  const torch::Tensor padded = torch::constant_pad_nd(int8.contiguous(), {0, quads * kQuad - K, 0, P * kCols - V});
-  const torch::Tensor panels = padded.view({P, 2, 8, quads, kQuad}).permute({0, 3, 1, 2, 4}).contiguous()
+  const at::Tensor padded = at::constant_pad_nd(int8.contiguous(), {0, quads * kQuad - K, 0, P * kCols - V});
+  const at::Tensor panels = padded.view({P, 2, 8, quads, kQuad}).permute({0, 3, 1, 2, 4}).contiguous()
                                    .view({P, quads, kLineBytes});
-  return {panels, padded.sum(1, false, torch::kInt32)};
+  return {panels, padded.sum(1, false, at::kInt)};
 }
 
 // codes [R, K] uint8 (c + z, c in [-63, 63]); panels and sums from `screen_pack`; scales [V] float32; out [R, V]
 // float32 contiguous, overwritten with s_j (c . q_j).
-void screen_product(const torch::Tensor& codes, const torch::Tensor& panels, const torch::Tensor& sums,
-                    const torch::Tensor& scales, int64_t z, torch::Tensor& out) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+void screen_product(const at::Tensor& codes, const at::Tensor& panels, const at::Tensor& sums,
+                    const at::Tensor& scales, int64_t z, at::Tensor& out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes: [R, K] contiguous uint8");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kInt8 && panels.is_contiguous() &&
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kChar && panels.is_contiguous() &&
                   panels.size(2) == kLineBytes, "panels: from screen_pack");
   const int64_t R = codes.size(0), K = codes.size(1), P = panels.size(0), quads = panels.size(1);
   const int64_t V = scales.size(0);
   TORCH_CHECK(quads == (K + kQuad - 1) / kQuad && V > (P - 1) * kCols && V <= P * kCols, "panels do not match");
-  TORCH_CHECK(sums.scalar_type() == torch::kInt32 && sums.numel() == P * kCols && scales.is_contiguous() &&
-                  scales.scalar_type() == torch::kFloat32, "sums or scales do not match the panels");
-  TORCH_CHECK(out.sizes() == torch::IntArrayRef({R, V}) && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.numel() == P * kCols && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat, "sums or scales do not match the panels");
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({R, V}) && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out: [R, V] contiguous float32");
-  const torch::Tensor u = torch::constant_pad_nd(codes, {0, quads * kQuad - K}, static_cast<double>(z)).contiguous();
-  const torch::Tensor scale16 = torch::constant_pad_nd(scales, {0, P * kCols - V});
+  const at::Tensor u = at::constant_pad_nd(codes, {0, quads * kQuad - K}, static_cast<double>(z)).contiguous();
+  const at::Tensor scale16 = at::constant_pad_nd(scales, {0, P * kCols - V});
   const uint8_t* us = u.data_ptr<uint8_t>();
   const int8_t* ps = panels.data_ptr<int8_t>();
   const int32_t* sum = sums.data_ptr<int32_t>();
@@ -117,12 +117,12 @@ void screen_product(const torch::Tensor& codes, const torch::Tensor& panels, con
 
 bool has_screen_product() { return false; }
 
-std::tuple<torch::Tensor, torch::Tensor> screen_pack(const torch::Tensor&) {
+std::tuple<at::Tensor, at::Tensor> screen_pack(const at::Tensor&) {
   TORCH_CHECK(false, "screen_pack needs AVX2");
 }
 
-void screen_product(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t,
-                    torch::Tensor&) {
+void screen_product(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                    at::Tensor&) {
   TORCH_CHECK(false, "screen_product needs AVX2");
 }
 

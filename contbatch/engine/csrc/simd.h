@@ -2,7 +2,7 @@
 // FMA, CONTBATCH_AVX512 where it also has AVX-512F. `Lanes8` and `Lanes16` wrap one vector register of float32 lanes
 // (AVX2 and AVX-512) behind the same names, so a kernel is written once for both widths.
 #pragma once
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <cmath>
 #include <cstdint>
