@@ -269,10 +269,12 @@ def _free_port() -> int:
 
 
 def test_end_to_end_against_a_contbatch_server() -> None:
+    """The serving benchmark's client against a real `contbatch serve` of the embedded model, eager (the server's
+    compiled warm-up has its own test in tests/entrypoints/openai/test_serve_config.py)."""
     from contbatch.data.prompts import load_prompts
 
     port = _free_port()
-    args = _bench_args("--num-prompts", "3", "--max-new-tokens", "4", "--rate", "10", "--threads", "1")
+    args = _bench_args("--num-prompts", "3", "--max-new-tokens", "4", "--rate", "10", "--threads", "1", "--no-compile")
     summary = bench_serve.bench_peer("contbatch", args, port, load_prompts(limit=3), poisson_schedule(3, 10.0, 0))
     assert [result.error for result in summary.results] == [None, None, None]
     assert all(result.ttft_s is not None and result.ttft_s > 0 for result in summary.results)
