@@ -43,14 +43,14 @@ ARCH_TESTS := tests/engine/test_cpu_arch.py tests/engine/test_decode_kernel.py t
 TEST_WORKERS ?= 2
 
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
-	CONTBATCH_CPU_ARCH=$$($(BIN)/python tests/narrower_arch.py) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(ARCH_TESTS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	CONTBATCH_CPU_ARCH=$$($(BIN)/python tests/narrower_arch.py) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARCH_TESTS)
 
 # What `make test` leaves out: further cases of paths it covers (marked `slow`: the varlen graphs of two more model
 # families under Triton's interpreter), and Ray Data's pipeline (its start-up takes about a minute on 2 cores; `make
 # test` covers the Ray integration through the driver's replicas).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m slow tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m slow tests
 	CONTBATCH_RAY_DATA_TEST=1 $(BIN)/python -m pytest tests/jobs/test_ray.py -k map_batches
 
 bench: $(STAMP)

@@ -142,18 +142,3 @@ def run_threads(target: Callable[[int], None], count: int, timeout: float = 120)
         thread.start()
     for thread in threads:
         thread.join(timeout=timeout)
-
-
-# The files that take 40 s or more under `make test` (2 workers on 2 cores, caches cold), longest first. They run
-# first: pytest-xdist (`--dist loadfile --no-loadscope-reorder`) hands files to workers in collection order, so the
-# last minutes then run short files on both workers instead of one long file on one.
-LONG_FILES = ("integrations/test_lm_eval.py", "engine/test_varlen_graphs.py", "data/test_embedded_parity.py",
-              "engine/test_compile.py", "bench/test_vllm_peer.py", "engine/test_model_support.py", "jobs/test_ray.py",
-              "data/test_embedded.py", "engine/test_triton_attention.py", "engine/test_structured.py",
-              "jobs/test_resume.py", "entrypoints/openai/test_serve_config.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs the tests of `LONG_FILES` first, in that order; the others keep their order after them."""
-    rank = {f"tests/{name}": position for position, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(LONG_FILES)))
