@@ -14,18 +14,18 @@ int64_t parallel_threads();
 
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const at::Tensor& slots,
-                                     const at::Tensor& lengths, const at::Tensor& first, double scale,
-                                     double softcap, int64_t queries_per_request,
-                                     const c10::optional<at::Tensor>& row_requests,
-                                     const c10::optional<at::Tensor>& sinks);
+                                  const at::Tensor& value_cache, const at::Tensor& slots,
+                                  const at::Tensor& lengths, const at::Tensor& first, double scale,
+                                  double softcap, int64_t queries_per_request,
+                                  const c10::optional<at::Tensor>& row_requests,
+                                  const c10::optional<at::Tensor>& sinks);
 
 // panel_gemm.cpp
 bool has_panel_gemm();
 bool has_wide_panels();
 bool has_pair_panels();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                           const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& bias);
 
 // fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -35,7 +35,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 std::vector<at::Tensor> screen_quantize(const at::Tensor& hidden, int64_t levels);
 std::vector<at::Tensor> screen_codes(const at::Tensor& weight);
 at::Tensor screen_tokens(const at::Tensor& scaled, const at::Tensor& stats, const at::Tensor& a,
-                            const at::Tensor& c, const at::Tensor& hidden, const at::Tensor& weight);
+                         const at::Tensor& c, const at::Tensor& hidden, const at::Tensor& weight);
 bool has_vnni();
 
 // screen_product.cpp
@@ -46,7 +46,7 @@ void screen_product(const at::Tensor& codes, const at::Tensor& panels, const at:
 
 // rope.cpp
 std::vector<at::Tensor> rope(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
-                                const at::Tensor& sin);
+                             const at::Tensor& sin);
 
 // draw_rows.cpp
 std::vector<at::Tensor> draw_rows(const at::Tensor& scores, const at::Tensor& uniforms);

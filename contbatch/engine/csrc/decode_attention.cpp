@@ -322,11 +322,11 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
 // [R, H, D] in the query's dtype. `sinks` ([H] float32), when given, adds each head's sink logit to its softmax's
 // denominator (attention sinks: gpt-oss's `s_aux`).
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const at::Tensor& slots,
-                                     const at::Tensor& lengths, const at::Tensor& first, double scale,
-                                     double softcap, int64_t queries_per_request,
-                                     const c10::optional<at::Tensor>& row_requests,
-                                     const c10::optional<at::Tensor>& sinks) {
+                                  const at::Tensor& value_cache, const at::Tensor& slots,
+                                  const at::Tensor& lengths, const at::Tensor& first, double scale,
+                                  double softcap, int64_t queries_per_request,
+                                  const c10::optional<at::Tensor>& row_requests,
+                                  const c10::optional<at::Tensor>& sinks) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");

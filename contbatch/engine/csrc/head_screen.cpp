@@ -311,7 +311,7 @@ static void screen_rows(const at::Tensor& scaled, const at::Tensor& stats, const
 // and weight [V, K] float32 or bfloat16. Returns [B] int64: each row's greedy token, -1 where its hidden row is not
 // finite.
 at::Tensor screen_tokens(const at::Tensor& scaled, const at::Tensor& stats, const at::Tensor& a,
-                            const at::Tensor& c, const at::Tensor& hidden, const at::Tensor& weight) {
+                         const at::Tensor& c, const at::Tensor& hidden, const at::Tensor& weight) {
   TORCH_CHECK(scaled.scalar_type() == at::kFloat && scaled.is_contiguous() && scaled.dim() == 2);
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && weight.is_contiguous() && hidden.is_contiguous());
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);

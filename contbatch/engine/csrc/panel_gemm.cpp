@@ -323,7 +323,7 @@ bool has_pair_panels() {
 // see load_line), or for bfloat16 where `has_pair_panels()` [P, ceil(K / 2), 32] in k pairs; 16 (P - 1) < N <= 16 P;
 // bias [N] or None. Returns x @ W.T + bias, [M, N], in x's dtype (computed in float32).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                           const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == at::kFloat || dtype == at::kBFloat16),
               "x: [M, K] contiguous float32 or bfloat16");
@@ -372,7 +372,7 @@ bool has_wide_panels() { return false; }
 bool has_pair_panels() { return false; }
 
 at::Tensor panel_linear(const at::Tensor&, const at::Tensor&, int64_t,
-                           const c10::optional<at::Tensor>&) {
+                        const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "panel_linear needs AVX2 and FMA");
 }
 

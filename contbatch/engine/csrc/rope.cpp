@@ -90,7 +90,7 @@ at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
 // [tokens, head_dim], all contiguous and of one dtype, float32 or bfloat16, head_dim even. Returns the rotated query
 // and key rows, as transformers' `apply_rotary_pos_emb` computes them (see the file's comment).
 std::vector<at::Tensor> rope(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
-                                const at::Tensor& sin) {
+                             const at::Tensor& sin) {
   const auto dtype = cos.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope: float32 or bfloat16");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
