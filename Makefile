@@ -33,7 +33,7 @@ lint: $(STAMP)
 
 # The CPU kernels' files again, built one instruction set narrower than this machine's (AVX2 on an AVX-512 CPU, none
 # on an AVX2 one: tests/narrower_arch.py), so that every run checks paths the native build does not take (about
-# 2.5 minutes on 2 cores, 70 s of it the build, cached afterwards like the native one).
+# 2 minutes on 2 cores, 70 s of it the build, cached afterwards like the native one).
 ARCH_TESTS := tests/engine/test_cpu_arch.py tests/engine/test_decode_kernel.py tests/engine/test_panel_gemm.py \
 	tests/engine/test_head_screen.py tests/engine/test_sampler.py tests/engine/test_sampler_draws.py \
 	tests/engine/test_fused_modules.py tests/engine/test_fused_attention.py tests/engine/test_packed_weights.py \
