@@ -31,10 +31,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "bindings.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "decode_attention.cpp", _CSRC / "panel_gemm.cpp",
-            _CSRC / "head_screen.cpp", _CSRC / "screen_product.cpp", _CSRC / "fused_ops.cpp", _CSRC / "draw_rows.cpp",
-            _CSRC / "rope.cpp")
-_HEADERS = (_CSRC / "tensor.h", _CSRC / "simd.h", _CSRC / "elementwise.h")
+_SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))
+_HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 PANEL = 16
 ARCH_ENV = "CONTBATCH_CPU_ARCH"
 
