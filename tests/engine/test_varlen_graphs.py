@@ -70,7 +70,7 @@ def test_buckets_are_multiples_of_the_interval_at_most_a_quarter_over() -> None:
     assert len({bucket(value, 8) for value in range(1, 4097)}) <= 40
 
 
-@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid",
+@pytest.mark.parametrize("model_name", ["gemma3-hybrid", pytest.param("llama", marks=pytest.mark.slow),
                                         pytest.param("gemma2-softcap", marks=pytest.mark.slow),
                                         pytest.param("mistral-sliding", marks=pytest.mark.slow)])
 def test_varlen_steps_replayed_match_generate(model_name: str) -> None:
