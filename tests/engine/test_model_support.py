@@ -77,7 +77,7 @@ def test_more_families_match_generate(model_type: str) -> None:
         assert results[str(index)] == reference, index
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_layers_that_drop_the_forwards_keywords_attend_through_the_cache(compiled: bool) -> None:
     """StableLM's decoder layers call their attention without the forward's keywords (contbatch's metadata
     among them): the thread's forward hands the metadata over, so chunked prefill and decode match `generate`."""
@@ -115,7 +115,8 @@ GPT_OSS = dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, s
                layer_types=["sliding_attention", "full_attention"], initializer_range=0.3)
 
 
-@pytest.mark.parametrize("path", ["cpu kernel", "gathered keys", "compiled", "triton"])
+@pytest.mark.parametrize("path", ["cpu kernel", "gathered keys", pytest.param("compiled", marks=pytest.mark.slow),
+                                  "triton"])
 def test_attention_sinks_match_generate(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt-oss's attention sinks (`s_aux`, one logit per head in the softmax's denominator), on sliding and full
     layers: through the CPU kernel, through the gathered keys' written-out attention, compiled, and through the
