@@ -1,11 +1,12 @@
-"""Shared fixtures: tiny randomly initialised models of several families, and reference generation."""
+"""Settings every test process needs before torch loads, and the parametrized `model_name` fixture. Nothing here
+imports torch: pytest-xdist's controller loads this file before it starts the workers, and runs no test itself.
+The shared helpers are in `helpers.py`."""
 
 from __future__ import annotations
 
 import os
-import threading
-import weakref
-from collections.abc import Callable, Sequence
+
+import pytest
 
 # Triton (the GPU attention kernel's tests) runs under its interpreter on a CPU; it reads this when first imported.
 if os.environ.get("CONTBATCH_TEST_DEVICE", "cpu") == "cpu":
@@ -14,131 +15,21 @@ if os.environ.get("CONTBATCH_TEST_DEVICE", "cpu") == "cpu":
 # Under pytest-xdist (`make test`) each worker gets its share of the cores as torch threads, and so do the servers and
 # jobs the tests start: an OpenMP team larger than that waits at every barrier for members the other workers have
 # descheduled (the tiny models' tests took 1.5x as long on 2 cores with 2 threads a worker).
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
-import pytest
-import torch
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
-    GenerationConfig,
-    LlamaConfig,
-    MistralConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen3Config,
-)
-
-from contbatch import ContinuousBatchingConfig, LLMEngine
-from contbatch.frontend.output_processor import OutputCollector
-from contbatch.outputs import GenerationOutput
-
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-VOCAB = 256
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1)
-
-TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama": lambda: LlamaConfig(num_hidden_layers=2, **_COMMON),
-    "qwen2": lambda: Qwen2Config(num_hidden_layers=2, **_COMMON),
-    "qwen3": lambda: Qwen3Config(num_hidden_layers=2, head_dim=16, **_COMMON),
-    "mistral-sliding": lambda: MistralConfig(num_hidden_layers=2, sliding_window=7, **_COMMON),
-    "gemma3-hybrid": lambda: Gemma3TextConfig(
-        num_hidden_layers=4, head_dim=16, sliding_window=6,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], **_COMMON
-    ),
-    "gemma2-softcap": lambda: Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=6, **_COMMON),
-}
-
-_MODELS: dict[tuple[str, torch.device], PreTrainedModel] = {}
-# The device tiny models are built on: `CONTBATCH_TEST_DEVICE=cuda` runs the parity suites on a GPU.
-TEST_DEVICE = torch.device(os.environ.get("CONTBATCH_TEST_DEVICE", "cpu"))
+# The tiny model families of `helpers.TINY_CONFIGS`, each a case of every test that takes `model_name`.
+TINY_FAMILIES = ("gemma2-softcap", "gemma3-hybrid", "llama", "mistral-sliding", "qwen2", "qwen3")
 
 
-def tiny_model(name: str, device: str | None = None) -> PreTrainedModel:
-    """A tiny random model of family `name` on `device` (default `TEST_DEVICE`; a test of CPU-only behaviour
-    names "cpu"), built once per test session (seeded, float32, eval mode). Shared: a test that changes its
-    weights or attaches state to it takes `fresh_tiny_model` instead."""
-    key = (name, torch.device(device) if device else TEST_DEVICE)
-    if key not in _MODELS:
-        _MODELS[key] = fresh_tiny_model(name, device)
-    return _MODELS[key]
+def pytest_configure(config: pytest.Config) -> None:
+    if _WORKERS > 1 and hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def fresh_tiny_model(name: str, device: str | None = None) -> PreTrainedModel:
-    """A new instance of `tiny_model(name, device)` (same seed, same weights), for the test alone."""
-    torch.manual_seed(1234)
-    attention = "eager" if name.startswith("gemma2") else "sdpa"  # Gemma 2 has no SDPA path in transformers
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation=attention)
-    model.generation_config.eos_token_id = None  # tests choose their EOS explicitly
-    return model.to(device or TEST_DEVICE).eval()
-
-
-@pytest.fixture(params=sorted(TINY_CONFIGS))
+@pytest.fixture(params=TINY_FAMILIES)
 def model_name(request: pytest.FixtureRequest) -> str:
     return request.param
-
-
-def random_prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
-# By model object, not id(): a model freed by one test must not lend its references to a new one at its address.
-_REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, list[int]]] = weakref.WeakKeyDictionary()
-
-
-def reference_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int,
-                       eos_token_id: int | None = None) -> list[int]:
-    """Greedy `model.generate` on the prompt alone (no padding), the ground truth of every parity test."""
-    references = _REFERENCES.setdefault(model, {})
-    key = (tuple(prompt), max_new_tokens, eos_token_id)
-    if key not in references:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                                  pad_token_id=0)
-        with torch.inference_mode():
-            output = model.generate(torch.tensor([prompt], device=model.device),
-                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
-                                    generation_config=config)
-        references[key] = output[0, len(prompt):].tolist()
-    return references[key]
-
-
-def run_engine(engine: LLMEngine) -> dict[str, GenerationOutput]:
-    """Steps `engine` until idle; returns the output of every finished request by id. Asserts the cache is whole
-    afterwards."""
-    collector = OutputCollector()
-    while engine.has_unfinished_requests():
-        collector.add(engine.step())
-    engine.check_integrity()
-    assert engine.block_pool.is_whole
-    return collector.finished
-
-
-def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:
-    generation_config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
-    return LLMEngine(model, generation_config, ContinuousBatchingConfig(**config))  # type: ignore[arg-type]
-
-
-def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:
-    """What the manager does for `n=`: sample j is `<id>_j`, forked from sample 0."""
-    requests = [engine.make_request(prompt, f"{request_id}_{j}", **sampling) for j in range(n)]
-    engine.add(requests[0])
-    for request in requests[1:]:
-        engine.fork(requests[0].request_id, request)
-    return [request.request_id for request in requests]
-
-
-def run_threads(target: Callable[[int], None], count: int, timeout: float = 120) -> None:
-    """Runs `target(0)` ... `target(count - 1)` on `count` threads at once and waits for them all."""
-    threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=timeout)

@@ -7,7 +7,7 @@ from transformers import GenerationConfig, LlamaForCausalLM
 
 import contbatch
 from contbatch import ContinuousBatchingConfig, ContinuousMixin, GenerationOutput, RequestStatus, generate_batch
-from tests.conftest import TINY_CONFIGS, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import TINY_CONFIGS, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 GREEDY = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
 SMALL = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=32)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import TINY_CONFIGS
+from tests.helpers import TINY_CONFIGS
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

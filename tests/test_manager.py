@@ -16,7 +16,7 @@ from contbatch import (
     RequestStatus,
     continuous_batching_context_manager,
 )
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, run_threads, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, run_engine, run_threads, tiny_model
 
 CONFIG = ContinuousBatchingConfig(block_size=16, num_blocks=1024, max_batch_tokens=64)
 

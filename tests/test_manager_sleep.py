@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, generate_batch
 from contbatch.frontend.engine_loop import EngineCall, EngineLoop
-from tests.conftest import random_prompts, reference_generate, tiny_model
+from tests.helpers import random_prompts, reference_generate, tiny_model
 
 GENERATION = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)
 MiB = 1 << 20

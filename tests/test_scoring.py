@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from contbatch import loglikelihood
-from tests.conftest import TINY_CONFIGS, random_prompts, tiny_model
+from tests.helpers import TINY_CONFIGS, random_prompts, tiny_model
 
 
 def reference_score(reference: PreTrainedModel, context: list[int], continuation: list[int]) -> tuple[float, bool]:

@@ -6,7 +6,7 @@ import pytest
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.bench.beam import beam_config, run_beam
-from tests.conftest import fresh_tiny_model, random_prompts
+from tests.helpers import fresh_tiny_model, random_prompts
 
 
 def test_contbatch_and_generate_beams_agree_on_the_best_sequences() -> None:

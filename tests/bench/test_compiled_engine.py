@@ -8,7 +8,7 @@ import torch
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.bench import throughput
-from tests.conftest import fresh_tiny_model, random_prompts
+from tests.helpers import fresh_tiny_model, random_prompts
 
 
 def test_compiled_engine_is_named_and_reports_its_compile_time() -> None:

@@ -8,7 +8,7 @@ import pytest
 from contbatch.bench import throughput
 from contbatch.bench.decoding import GREEDY, Decoding
 from contbatch.cli import main
-from tests.conftest import random_prompts, tiny_model
+from tests.helpers import random_prompts, tiny_model
 
 
 @pytest.mark.parametrize("fields", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0),

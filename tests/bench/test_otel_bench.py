@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.bench.telemetry import MODES, run_otel
-from tests.conftest import fresh_tiny_model, random_prompts
+from tests.helpers import fresh_tiny_model, random_prompts
 
 
 def test_every_mode_runs_the_workload_and_the_on_modes_export() -> None:

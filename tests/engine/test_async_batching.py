@@ -17,7 +17,7 @@ from contbatch.engine.request import RequestStatus
 from contbatch.engine.step_pipeline import ForwardWorker, StepPipeline, resolve_async_batching
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput
-from tests.conftest import add_samples, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import add_samples, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 LENGTHS = [1, 3, 9, 16, 17, 30, 41]
 MAX_NEW = [9, 4, 12, 1, 7, 10, 5]

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
-from tests.conftest import TINY_CONFIGS, make_engine, random_prompts, run_engine
+from tests.helpers import TINY_CONFIGS, make_engine, random_prompts, run_engine
 
 FAMILIES = ["llama", "mistral-sliding", "gemma3-hybrid", "gemma2-softcap"]
 

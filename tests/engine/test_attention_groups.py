@@ -15,7 +15,7 @@ from contbatch.engine.attention_groups import MAX_PADDING
 from contbatch.engine.attention_groups import padding_bounded_sets as _padding_bounded_sets
 from contbatch.engine.engine import LLMEngine
 from contbatch.engine.scheduler import SchedulerOutput
-from tests.conftest import random_prompts, reference_generate, tiny_model
+from tests.helpers import random_prompts, reference_generate, tiny_model
 
 
 def _sets(counts: list[int], starts: list[int], max_padding: float | None) -> list[list[int]]:

@@ -7,7 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, RequestStatus, generate_batch
-from tests.conftest import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 @pytest.mark.parametrize(

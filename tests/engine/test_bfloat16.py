@@ -13,7 +13,7 @@ from torch import nn
 
 from contbatch.engine import attention, cpu_kernels, packed_weights, triton_attention
 from contbatch.engine.packed_weights import PLAN_ATTRIBUTE, packed_forward, packing_applies
-from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
+from tests.helpers import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 
 pytestmark = pytest.mark.skipif(not (packed_weights.bf16_panels() or packed_weights.cpu_has_bf16()),
                                 reason="needs the panel kernel, or a CPU with bfloat16 arithmetic")

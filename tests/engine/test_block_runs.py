@@ -12,7 +12,7 @@ from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.request import Request
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import make_engine, random_prompts, reference_generate, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, tiny_model
 
 
 def is_run(table: list[int]) -> bool:

@@ -21,8 +21,8 @@ from contbatch.engine.compile import (
 )
 from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.engine import LLMEngine
-from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 from tests.engine.test_prompt_logprobs import check_entries, reference_logprobs
+from tests.helpers import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 
 LENGTHS = [1, 5, 17, 40]
 MAX_NEW = [6, 9, 3, 7]

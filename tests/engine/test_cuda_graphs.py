@@ -23,7 +23,7 @@ from contbatch.engine.cuda_graphs import (
     round_up,
 )
 from contbatch.engine.engine import LLMEngine
-from tests.conftest import (
+from tests.helpers import (
     add_samples,
     fresh_tiny_model,
     make_engine,

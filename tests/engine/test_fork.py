@@ -8,7 +8,7 @@ import pytest
 from contbatch import LLMEngine
 from contbatch.engine.request import RequestStatus
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import make_engine, random_prompts, reference_generate, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, tiny_model
 
 
 def step_until(engine: LLMEngine, collector: OutputCollector, request_id: str, num_generated: int) -> None:

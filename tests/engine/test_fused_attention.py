@@ -13,7 +13,7 @@ from transformers.models.llama import modeling_llama
 
 from contbatch.engine.cpu_kernels import kernel_module
 from contbatch.engine.fused_modules import FusedAttention, fused_forward, is_llama_attention
-from tests.conftest import fresh_tiny_model, random_prompts
+from tests.helpers import fresh_tiny_model, random_prompts
 
 pytestmark = pytest.mark.skipif(kernel_module() is None, reason="the CPU kernels are not built here")
 

@@ -23,7 +23,7 @@ from contbatch.engine.fused_modules import (
     is_llama_mlp,
     is_llama_norm,
 )
-from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
+from tests.helpers import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine
 
 pytestmark = pytest.mark.skipif(kernel_module() is None, reason="the CPU kernels are not built here")
 DTYPES = [torch.float32, torch.bfloat16]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GPTNeoXConfig, 
 
 from contbatch import ContinuousBatchingConfig, LLMEngine, generate_batch
 from contbatch.outputs import GenerationOutput
-from tests.conftest import fresh_tiny_model, random_prompts, run_engine
+from tests.helpers import fresh_tiny_model, random_prompts, run_engine
 
 PROMPTS = random_prompts([3, 7, 12, 20], seed=5)
 

@@ -12,7 +12,7 @@ import torch
 
 from contbatch.engine import head_buffer, head_product, packed_weights, prompt_logprobs
 from contbatch.outputs import GenerationOutput
-from tests.conftest import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import VOCAB, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def test_a_thread_reuses_its_buffer_and_another_thread_has_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

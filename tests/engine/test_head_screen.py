@@ -14,7 +14,7 @@ from contbatch.engine import head_buffer, head_screen
 from contbatch.engine.cpu_kernels import _cpu_flags, kernel_module
 from contbatch.engine.head_screen import build_screen, screen_supported, screen_tokens
 from contbatch.engine.packed_weights import packing_applies
-from tests.conftest import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import fresh_tiny_model, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not screen_supported(), reason="the head screen needs the kernels and AVX2")
 # 7-bit codes run everywhere (AVX2's int8 products); 8-bit ones only where the kernels are built with VNNI.

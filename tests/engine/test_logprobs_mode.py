@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 from contbatch import ContinuousBatchingManager, generate_batch
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.outputs import GenerationOutput, RequestStatus
-from tests.conftest import make_engine, random_prompts, run_engine, tiny_model
+from tests.helpers import make_engine, random_prompts, run_engine, tiny_model
 
 NEW_TOKENS = 8
 TOP = 5

@@ -19,12 +19,12 @@ from contbatch.engine.model_support import (
     check_attention_kwargs,
 )
 from contbatch.engine.request import RequestStatus
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine
+from tests.helpers import make_engine, random_prompts, reference_generate, run_engine
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=1024, initializer_range=0.1, num_hidden_layers=2)
 PROMPT_LENGTHS = [5, 17, 33, 3]
-# Families beyond the parity suite's (tests/conftest.py), each as transformers 5 builds it; weights large enough
+# Families beyond the parity suite's (tests/helpers.py), each as transformers 5 builds it; weights large enough
 # that greedy tokens vary (small random weights repeat one token, which wrong attention could repeat too).
 MORE_FAMILIES: dict[str, dict[str, object]] = {
     "gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=0.1,

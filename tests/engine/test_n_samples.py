@@ -10,7 +10,7 @@ from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import add_samples, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import add_samples, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:

@@ -23,7 +23,7 @@ from contbatch.engine.packed_weights import (
     pending_packed_bytes,
     weights_changed,
 )
-from tests.conftest import fresh_tiny_model, random_prompts, reference_generate
+from tests.helpers import fresh_tiny_model, random_prompts, reference_generate
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 KINDS = ["panels", "onednn"]

@@ -7,7 +7,7 @@ import pytest
 from contbatch.engine import attention, cpu_kernels
 from contbatch.engine.step_timer import RecordingStepTimer, StepRecord
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 # Prompts from 1 token to several blocks; different max_new_tokens per request.
 LENGTHS = [1, 2, 5, 9, 16, 17, 31, 40, 64]

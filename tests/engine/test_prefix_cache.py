@@ -11,7 +11,7 @@ from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache_manager import KVCacheManager, PrefixHit, hash_block
 from contbatch.engine.request import Request
 from contbatch.engine.sampling_params import SamplingParams
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
@@ -128,7 +128,7 @@ def test_changed_weights_never_reuse_stale_kv(update: str) -> None:
     torch.manual_seed(5)
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import TINY_CONFIGS
+    from tests.helpers import TINY_CONFIGS
 
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"](), attn_implementation="sdpa").eval()
     model.generation_config.eos_token_id = None

@@ -14,7 +14,7 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, Reque
 from contbatch.engine.outputs import EventType, RequestDelta
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput, PromptLogprob
-from tests.conftest import (
+from tests.helpers import (
     TINY_CONFIGS,
     add_samples,
     make_engine,

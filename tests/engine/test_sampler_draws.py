@@ -12,7 +12,6 @@ from contbatch.engine import cpu_kernels, warpers
 from contbatch.engine import sampler as sampler_module
 from contbatch.engine.sampler import Sampler
 from contbatch.engine.sampling_params import SamplingParams
-from tests.conftest import TEST_DEVICE
 from tests.engine.sampling_helpers import (
     ALPHA,
     chi2_pvalue,
@@ -22,6 +21,7 @@ from tests.engine.sampling_helpers import (
     processed_reference,
     run_steps,
 )
+from tests.helpers import TEST_DEVICE
 
 
 def test_processed_logprobs_reuse_the_sampling_pass(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,8 @@ import torch
 from contbatch import LLMEngine, RequestStatus
 from contbatch.engine.batch import SchedulerOutput
 from contbatch.outputs import GenerationOutput
-from tests.conftest import TINY_CONFIGS, add_samples, make_engine, random_prompts, run_engine, tiny_model
 from tests.engine.test_prompt_logprobs import ATOL, Entries, count_kept_rows, reference_logprobs
+from tests.helpers import TINY_CONFIGS, add_samples, make_engine, random_prompts, run_engine, tiny_model
 
 
 def check_scored(entries: Entries, expected: torch.Tensor, prompt: list[int], start: int, k: int) -> None:

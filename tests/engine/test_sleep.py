@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache, trim_host_heap
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 MiB = 1 << 20
 # tiny llama: 2 layers x 2 KV heads x 16 dims x float32 x (K, V) = 512 bytes a token; 8192 x 64 tokens = 256 MiB

@@ -14,7 +14,7 @@ from contbatch.engine.kv_cache_manager import DEAD_BLOCK, KVCacheManager, Prefix
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import _COMMON, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import _COMMON, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def test_layer_groups_by_attention_kind() -> None:
@@ -168,7 +168,7 @@ def test_sliding_layers_read_only_their_window_of_keys() -> None:
 
 
 def test_a_layer_wider_than_its_cache_window_fails_its_requests_not_silently() -> None:
-    from tests.conftest import TINY_CONFIGS
+    from tests.helpers import TINY_CONFIGS
 
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS["mistral-sliding"](), attn_implementation="sdpa").eval()
     with make_engine(model, block_size=4, num_blocks=16) as engine:

@@ -8,7 +8,7 @@ import torch
 from contbatch.engine.outputs import EventType, RequestDelta
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import make_engine, random_prompts, reference_generate, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, tiny_model
 
 
 def events_by_request(deltas: list[RequestDelta]) -> dict[str, list[EventType]]:

@@ -14,7 +14,7 @@ from contbatch import ContinuousBatchingConfig, LLMEngine, RequestStatus, Struct
 from contbatch.data.embedded import load_model_and_tokenizer
 from contbatch.engine.outputs import EventType
 from contbatch.frontend.output_processor import OutputCollector
-from tests.conftest import add_samples, run_engine
+from tests.helpers import add_samples, run_engine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},

@@ -6,7 +6,7 @@ import pytest
 
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.kv_cache import RESIDENT_GIB_ENV, resident_block_limit
-from tests.conftest import make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from tests.helpers import make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 
 def cached_and_freed(pool: BlockPool, count: int) -> list[int]:

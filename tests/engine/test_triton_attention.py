@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from contbatch.engine import attention, triton_attention
-from tests.conftest import TEST_DEVICE, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 from tests.engine.test_decode_kernel import reference
+from tests.helpers import TEST_DEVICE, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
 BLOCK = 16
 

@@ -14,7 +14,7 @@ from contbatch.engine import triton_attention
 from contbatch.engine.cuda_graphs import CudaGraphBackend, EagerReplay, GraphKey, GraphSettings, StepGraphs
 from contbatch.engine.engine import LLMEngine
 from contbatch.engine.varlen_graphs import VarlenKey, bucket
-from tests.conftest import (
+from tests.helpers import (
     TEST_DEVICE,
     fresh_tiny_model,
     make_engine,

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.engine.weights import WeightsFingerprint
-from tests.conftest import TINY_CONFIGS, make_engine, random_prompts, reference_generate
+from tests.helpers import TINY_CONFIGS, make_engine, random_prompts, reference_generate
 
 
 def fresh_model(name: str) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from contbatch import AsyncClient, ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from contbatch.data.embedded import embedded_model_dir
-from tests.conftest import random_prompts, reference_generate, tiny_model
+from tests.helpers import random_prompts, reference_generate, tiny_model
 
 
 @pytest.fixture(scope="module")

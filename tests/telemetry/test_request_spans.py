@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, generate_batch
 from contbatch.engine.batch import SchedulerOutput
 from contbatch.outputs import GenerationOutput
-from tests.conftest import random_prompts, tiny_model
+from tests.helpers import random_prompts, tiny_model
 from tests.telemetry.otel_helpers import Collected
 
 MODEL = "LlamaForCausalLM"  # a model built from a config has no name_or_path: its class name stands for it

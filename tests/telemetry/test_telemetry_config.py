@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, Telemetry, generate_batch
 from contbatch.engine.step_timer import NO_STEP_TIMER
-from tests.conftest import random_prompts, tiny_model
+from tests.helpers import random_prompts, tiny_model
 
 GREEDY = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
 CONFIG = ContinuousBatchingConfig(block_size=4, num_blocks=128)

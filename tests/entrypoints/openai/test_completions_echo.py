@@ -17,8 +17,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR
-from tests.conftest import run_threads
 from tests.entrypoints.openai.test_server import MODEL, Served
+from tests.helpers import run_threads
 
 ATOL = 1e-5
 

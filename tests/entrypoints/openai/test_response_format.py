@@ -22,8 +22,8 @@ from contbatch.entrypoints.openai.structured import (
     required_tools_schema,
     response_format_constraint,
 )
-from tests.conftest import fresh_tiny_model
 from tests.entrypoints.openai.embedded_server import EMBEDDED, EmbeddedServed, schema_errors
+from tests.helpers import fresh_tiny_model
 
 PERSON: dict[str, Any] = {
     "type": "object",

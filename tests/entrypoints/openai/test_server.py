@@ -21,7 +21,7 @@ from contbatch.data.embedded import embedded_model_dir
 from contbatch.data.prompts import chat_inputs
 from contbatch.entrypoints.openai.app import create_app
 from contbatch.entrypoints.openai.protocol import LOGPROB_FLOOR
-from tests.conftest import run_threads
+from tests.helpers import run_threads
 
 MODEL = "tiny-llama"
 
