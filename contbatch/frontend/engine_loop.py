@@ -14,6 +14,7 @@ from typing import TypeVar, cast
 import torch
 
 from contbatch.engine.engine import LLMEngine
+from contbatch.engine.openmp import release_thread_pool
 from contbatch.engine.outputs import EngineStats, EventType, RequestDelta
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.frontend.output_processor import OutputProcessor, RequestState
@@ -186,6 +187,10 @@ class EngineLoop:
             self._engine.step_timer = self.telemetry.step_timer()
 
     def submit(self, command: Command) -> None:
+        """Queues `command` for the engine thread. The calling thread gives back its OpenMP worker threads
+        first (`release_thread_pool`): the engine thread computes meanwhile, and an idle pool elsewhere slows
+        every parallel region of its steps."""
+        release_thread_pool()
         self._inbox.put(command)
 
     def call(self, function: Callable[[LLMEngine], T]) -> T | None:
@@ -225,7 +230,11 @@ class EngineLoop:
             self._release_engine(self._keep_engine)
 
     def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
-        """Applies queued commands, waiting for one when `block` (the engine is idle). Returns False on stop."""
+        """Applies queued commands, waiting for one when `block` (the engine is idle: its thread gives back its
+        OpenMP worker threads first, so that other threads compute undisturbed meanwhile). Returns False on
+        stop."""
+        if block:
+            release_thread_pool()
         while True:
             try:
                 command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()

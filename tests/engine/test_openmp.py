@@ -1,0 +1,84 @@
+"""The OpenMP thread pools: a thread's pool given back ends its workers, and the engine keeps only its own pool
+while it computes (the submitting thread gives its pool back; the engine thread gives its own back when idle)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+from contbatch.engine.openmp import loaded_runtimes, release_thread_pool
+from tests.helpers import tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or "OpenMP" not in torch.__config__.parallel_info(),
+    reason="counts the process's native threads (Linux) of torch's OpenMP runtime")
+
+
+def native_threads() -> int:
+    """The process's threads that Python did not start: OpenMP workers among them."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+def parallel_region() -> None:
+    """An elementwise op large enough for ATen to run it in an OpenMP parallel region (its grain is 32,768)."""
+    torch.ones(1 << 20).mul_(2)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[int]:
+    """Torch on 2 threads in this test (make test's workers run 1), the calling thread's pool given back first;
+    yields the native thread count then."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    assert release_thread_pool()
+    try:
+        yield native_threads()
+    finally:
+        release_thread_pool()
+        torch.set_num_threads(threads)
+
+
+def test_the_runtime_torch_loaded_is_found_first() -> None:
+    runtimes = loaded_runtimes()
+    assert runtimes and runtimes[0].name.startswith(("libgomp", "libiomp5", "libomp"))
+
+
+def test_a_released_pool_ends_its_workers_and_the_next_region_makes_it_again(two_threads: int) -> None:
+    parallel_region()
+    assert native_threads() == two_threads + 1
+    assert release_thread_pool()
+    assert native_threads() == two_threads
+    assert release_thread_pool()  # no pool: nothing to end
+    expected = torch.arange(1 << 20, dtype=torch.float32) * 2
+    assert torch.equal(torch.arange(1 << 20, dtype=torch.float32).mul_(2), expected)
+    assert native_threads() == two_threads + 1
+
+
+def test_the_idle_engine_thread_and_a_submitting_thread_keep_no_pool(two_threads: int) -> None:
+    """The engine thread's pool, made by a parallel op run there (the tiny model's own ops are too small to go
+    parallel), ends once the engine is idle again; a thread's pool ends when it submits to the engine (a cancel of
+    an unknown id: nothing for the engine to compute). Without either release the count stays one higher."""
+    manager = ContinuousBatchingManager(tiny_model("llama", "cpu"),
+                                        GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=4),
+                                        ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64))
+    manager.start()
+    try:
+        assert manager._loop.call(lambda engine: (parallel_region(), native_threads())[1]) == two_threads + 1
+        manager._loop.call(lambda engine: None)  # taken once the engine went idle, after its release
+        assert native_threads() == two_threads
+        parallel_region()
+        assert native_threads() == two_threads + 1
+        manager.cancel_request("no-such-request")
+        assert native_threads() == two_threads
+        request_id = manager.add_request([1, 2, 3], max_new_tokens=4)
+        while (output := manager.get_result(request_id, timeout=30)) is not None and not output.is_finished():
+            pass
+        assert output is not None and len(output.generated_tokens) == 4
+    finally:
+        manager.stop()
