@@ -27,13 +27,15 @@ logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1
 """`omp_pause_soft` of OpenMP 5.0's `omp_pause_resource_t`."""
-_RUNTIME_NAMES = ("libgomp", "libiomp5", "libomp")
+_RUNTIME_NAME = "libgomp"
+"""Only GNU OpenMP's pools are given back: its `omp_pause_resource_all` ends the calling thread's pool alone, where
+Intel's and LLVM's runtimes pause process-wide (and their idle workers sleep after a block time instead)."""
 
 
 def release_thread_pool() -> bool:
     """Ends the calling thread's OpenMP worker threads (OpenMP 5.0's `omp_pause_resource_all(omp_pause_soft)`
-    in the runtime torch loaded). Other threads' pools and parallel regions are not touched. Returns whether the
-    runtime did so (or had nothing to end); False where torch does not parallelise with OpenMP, no runtime with
+    in the libgomp torch loaded). Other threads' pools and parallel regions are not touched. Returns whether the
+    runtime did so (or had nothing to end); False where torch does not parallelise with OpenMP, no libgomp with
     that function is loaded, or the caller is inside a parallel region. Costs about a microsecond when the
     thread holds no pool."""
     pause = _pause_function()
@@ -56,14 +58,14 @@ def _pause_function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def loaded_runtimes() -> list[Path]:
-    """The OpenMP runtimes mapped into this process (Linux's `/proc/self/maps`), torch's own first (its `lib`
-    directory); empty where the map cannot be read."""
+    """The GNU OpenMP runtimes mapped into this process (Linux's `/proc/self/maps`), torch's own first (its
+    `lib` directory); empty where the map cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             fields = [line.split(maxsplit=5) for line in maps]
     except OSError:
         return []
     paths = {Path(parts[5].strip()) for parts in fields if len(parts) == 6 and parts[5].startswith("/")}
-    runtimes = [path for path in paths if path.name.startswith(_RUNTIME_NAMES) and ".so" in path.name]
+    runtimes = [path for path in paths if path.name.startswith(_RUNTIME_NAME) and ".so" in path.name]
     torch_lib = Path(torch.__file__).parent / "lib"
     return sorted(runtimes, key=lambda path: (path.parent != torch_lib, str(path)))
