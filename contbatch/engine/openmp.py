@@ -53,7 +53,7 @@ def _pause_function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
         return pause
-    logger.info("no loaded OpenMP runtime has omp_pause_resource_all: idle thread pools are kept")
+    logger.info("no loaded libgomp has omp_pause_resource_all: idle OpenMP thread pools are kept")
     return None
 
 
