@@ -58,8 +58,8 @@ def test_a_released_pool_ends_its_workers_and_the_next_region_makes_it_again(two
     assert release_thread_pool()
     assert native_threads() == two_threads
     assert release_thread_pool()  # no pool: nothing to end
-    expected = torch.arange(1 << 20, dtype=torch.float32) * 2
-    assert torch.equal(torch.arange(1 << 20, dtype=torch.float32).mul_(2), expected)
+    assert native_threads() == two_threads
+    parallel_region()
     assert native_threads() == two_threads + 1
 
 
