@@ -114,6 +114,11 @@ class LLMEngine:
         self.pipeline.close()
         self.model_runner.close()
 
+    def release_thread_pools(self) -> None:
+        """Gives back the OpenMP worker threads of the calling thread and of async batching's forward thread
+        (`contbatch.engine.openmp`). For an idle engine: a later step makes them again."""
+        self.pipeline.release_thread_pools()
+
     def __enter__(self) -> LLMEngine:
         return self
 

@@ -10,7 +10,8 @@ thread keeps after one matrix product, made the engine thread's 128-prompt run 1
 
 contbatch computes on one thread, the engine thread, while the threads that hand it requests wait. So a thread
 that hands the engine requests gives its own pool back (`EngineLoop.submit`), and the engine thread gives its pool
-back when it goes idle, before the caller computes again (training between generations, say). A pool given back
+back when it goes idle, before the caller computes again (training between generations, say), and so does async
+batching's forward thread (`LLMEngine.release_thread_pools`). A pool given back
 is made again, in microseconds, by that thread's next parallel region; the results are the same either way.
 """
 

@@ -13,6 +13,7 @@ from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.head_screen import allow_screen
 from contbatch.engine.model_runner import ModelRunner, PreparedBatch
+from contbatch.engine.openmp import release_thread_pool
 from contbatch.engine.outputs import ModelRunnerOutput, RequestDelta
 from contbatch.engine.request import RequestStatus
 from contbatch.engine.scheduler import Scheduler
@@ -58,6 +59,12 @@ class ForwardWorker:
             self._executor = ThreadPoolExecutor(1, "contbatch-forward", initializer=_forward_thread_setup,
                                                 initargs=(torch.get_num_threads(), runner.device))
         return self._executor.submit(_execute, runner, output, prepared)
+
+    def release_thread_pool(self) -> None:
+        """Gives back the worker thread's OpenMP worker threads (`contbatch.engine.openmp`), once the forwards
+        submitted before have run; nothing where no worker thread runs."""
+        if self._executor is not None:
+            self._executor.submit(release_thread_pool).result()
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -120,6 +127,12 @@ class StepPipeline:
         if in_flight is not None:
             result = self._collect(in_flight)
             self._undelivered += self._update(in_flight.output, result)
+
+    def release_thread_pools(self) -> None:
+        """Gives back the OpenMP worker threads of the calling thread and of the forward worker's thread
+        (`contbatch.engine.openmp`): for an idle engine, so that other threads compute undisturbed."""
+        release_thread_pool()
+        self._worker.release_thread_pool()
 
     def close(self) -> None:
         """Settles and stops the worker thread (a later step starts it again)."""

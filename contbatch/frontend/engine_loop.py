@@ -230,11 +230,11 @@ class EngineLoop:
             self._release_engine(self._keep_engine)
 
     def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
-        """Applies queued commands, waiting for one when `block` (the engine is idle: its thread gives back its
-        OpenMP worker threads first, so that other threads compute undisturbed meanwhile). Returns False on
-        stop."""
+        """Applies queued commands, waiting for one when `block` (the engine is idle: its thread and async
+        batching's forward thread give back their OpenMP worker threads first, so that other threads compute
+        undisturbed meanwhile). Returns False on stop."""
         if block:
-            release_thread_pool()
+            engine.release_thread_pools()
         while True:
             try:
                 command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.engine.openmp import loaded_runtimes, release_thread_pool
-from tests.helpers import tiny_model
+from tests.helpers import fresh_tiny_model, tiny_model
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/task") or "OpenMP" not in torch.__config__.parallel_info()
@@ -63,25 +64,66 @@ def test_a_released_pool_ends_its_workers_and_the_next_region_makes_it_again(two
     assert native_threads() == two_threads + 1
 
 
+def settles_at(count: int, timeout: float = 30.0) -> bool:
+    """Whether the native thread count reaches `count` within `timeout` seconds (the engine thread releases
+    its pools on its own, once idle)."""
+    deadline = time.monotonic() + timeout
+    while native_threads() != count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def new_manager(model: PreTrainedModel, use_async_batching: bool) -> ContinuousBatchingManager:
+    return ContinuousBatchingManager(model, GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=4),
+                                     ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64,
+                                                              use_async_batching=use_async_batching))
+
+
+def generate_four(manager: ContinuousBatchingManager) -> None:
+    request_id = manager.add_request([1, 2, 3], max_new_tokens=4)
+    while (output := manager.get_result(request_id, timeout=30)) is not None and not output.is_finished():
+        pass
+    assert output is not None and len(output.generated_tokens) == 4
+
+
 def test_the_idle_engine_thread_and_a_submitting_thread_keep_no_pool(two_threads: int) -> None:
     """The engine thread's pool, made by a parallel op run there (the tiny model's own ops are too small to go
     parallel), ends once the engine is idle again; a thread's pool ends when it submits to the engine (a cancel of
     an unknown id: nothing for the engine to compute). Without either release the count stays one higher."""
-    manager = ContinuousBatchingManager(tiny_model("llama", "cpu"),
-                                        GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=4),
-                                        ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64))
+    manager = new_manager(tiny_model("llama", "cpu"), use_async_batching=False)
     manager.start()
     try:
         assert manager._loop.call(lambda engine: (parallel_region(), native_threads())[1]) == two_threads + 1
-        manager._loop.call(lambda engine: None)  # taken once the engine went idle, after its release
-        assert native_threads() == two_threads
+        assert settles_at(two_threads)
         parallel_region()
         assert native_threads() == two_threads + 1
         manager.cancel_request("no-such-request")
         assert native_threads() == two_threads
-        request_id = manager.add_request([1, 2, 3], max_new_tokens=4)
-        while (output := manager.get_result(request_id, timeout=30)) is not None and not output.is_finished():
-            pass
-        assert output is not None and len(output.generated_tokens) == 4
+        generate_four(manager)
+    finally:
+        manager.stop()
+
+
+def test_async_batchings_forward_thread_keeps_no_pool_once_idle(two_threads: int) -> None:
+    """With async batching on a CPU the forwards run on a thread of their own: its pool (made by a parallel op
+    in each forward) ends once the engine is idle; without that release the count stays one higher."""
+    model = fresh_tiny_model("llama", "cpu")
+    forward_threads: set[int] = set()
+
+    def in_forward(*_: object) -> None:
+        forward_threads.add(threading.get_ident())
+        parallel_region()
+
+    model.get_input_embeddings().register_forward_pre_hook(in_forward)
+    manager = new_manager(model, use_async_batching=True)
+    manager.start()
+    try:
+        generate_four(manager)
+        assert forward_threads and threading.get_ident() not in forward_threads
+        assert settles_at(two_threads)
+        generate_four(manager)
+        assert settles_at(two_threads)
     finally:
         manager.stop()
