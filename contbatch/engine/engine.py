@@ -103,6 +103,7 @@ class LLMEngine:
         self.chunk_limit = chunked_attention_limit(model.config)
         self.model = model
         self._weights: WeightsFingerprint | None = None
+        self._committed_blocks = 0
         self.async_batching = resolve_async_batching(config.use_async_batching, device)
         self.pipeline = StepPipeline(self.scheduler, self.model_runner, self.beam_search, self.block_pool,
                                      self.async_batching)
@@ -339,11 +340,27 @@ class LLMEngine:
         self.model_runner.drop_graphs()
         self.cache.release()
         self.block_pool.forget_touched()
+        self._committed_blocks = 0
 
     def wake(self) -> None:
         """Reallocates the KV cache given back by `sleep()`, with the same shape, dtype and device (its content is
         undefined until written, which every request does before reading). Idempotent."""
         self.cache.allocate()
+
+    def commit_cache(self) -> int:
+        """On a CPU, commits the memory of the blocks the pool hands out next (`PagedKVCache.commit`): those
+        neither handed out nor committed yet, up to its `touch_limit` (the resident cache,
+        `resident_block_limit`), so that no later step pays their page faults. For a long-running server before
+        its first request: it holds that memory from then on, as a server whose cache filled would. Returns the
+        number of blocks committed: 0 on other devices (committed when allocated) and while asleep (`wake()`
+        allocates anew, uncommitted)."""
+        pool = self.block_pool
+        if pool.touch_limit is None or not self.cache.is_allocated:
+            return 0
+        first, last = max(pool.num_touched, self._committed_blocks), min(pool.touch_limit, pool.num_blocks)
+        self.cache.commit(first, last)
+        self._committed_blocks = max(self._committed_blocks, last)
+        return max(0, last - first)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix: nothing computed so far is shared with later requests."""

@@ -213,6 +213,12 @@ class EngineClient:
         needed to allocate before the next request arrives."""
         self._loop.call(LLMEngine.wake)
 
+    def commit_cache(self) -> int:
+        """On a CPU, commits the KV cache's resident memory now (`LLMEngine.commit_cache`), so that no request's
+        steps pay its page faults later; `contbatch serve` does so before it listens. Synchronous like
+        `sleep()`. Returns the number of blocks committed (0 on a GPU, while asleep, or with no engine held)."""
+        return self._loop.call(LLMEngine.commit_cache) or 0
+
     @property
     def weights_version(self) -> int:
         """The engine's weights version (outputs carry the one they were made with)."""

@@ -30,12 +30,14 @@ from contbatch.cli.serve import (
     SERVE_MAX_BATCH_TOKENS,
     SERVE_PREFILL_TOKENS_WHILE_DECODING,
     WarmUpFailed,
+    commit_cache_before_serving,
     serve_config,
     warm_up_before_serving,
 )
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.engine.compile import SHARED_ATTRIBUTE, served_compile_config
 from contbatch.engine.engine import DEFAULT_MAX_BATCH_TOKENS
+from tests.helpers import tiny_model
 
 
 def _config(*flags: str, device: str = "cpu") -> ContinuousBatchingConfig:
@@ -153,3 +155,14 @@ def test_serve_exits_instead_of_listening_for_a_model_it_cannot_run(tmp_path: Pa
     assert ("contbatch serve: error: a warm-up request failed: UnsupportedModelError: GPTJForCausalLM: 0 of its 2 "
             "layers") in done.stderr
     assert "Uvicorn running" not in done.stderr
+
+
+def test_serve_commits_the_resident_cache_before_listening_unless_told_not_to(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["serve"]).commit_cache is True
+    assert build_parser().parse_args(["serve", "--no-commit-cache"]).commit_cache is False
+    manager = ContinuousBatchingManager(tiny_model("llama", "cpu"), GenerationConfig(do_sample=False, max_new_tokens=2),
+                                        ContinuousBatchingConfig(block_size=16, num_blocks=48))
+    commit_cache_before_serving(manager)
+    assert "committed 48 KV cache blocks" in capsys.readouterr().err
+    assert manager.commit_cache() == 0, "every resident block is committed already"
