@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from contbatch.engine.attention_types import FullAttention, attention_policy
 from contbatch.engine.block_pool import BlockHash, BlockPool
+from contbatch.engine.block_tails import BlockTails
 from contbatch.engine.request import Request
 
 DEAD_BLOCK = -1
@@ -30,10 +31,18 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
 @dataclass(frozen=True)
 class PrefixHit:
     """Cached blocks a new request can start from: its first `num_blocks` full blocks, as one block table per
-    group (in a sliding group, the blocks no future query can see are DEAD_BLOCK)."""
+    group (in a sliding group, the blocks no future query can see are DEAD_BLOCK). With `partial_tokens` > 0,
+    the request's next `partial_tokens` tokens are also the first ones of the cached blocks `partial_blocks` (one
+    per group), which are copied into the request's own next block, never shared (it writes the rest)."""
 
     num_blocks: int
     tables: tuple[tuple[int, ...], ...]
+    partial_tokens: int = 0
+    partial_blocks: tuple[int, ...] = ()
+
+    def num_tokens(self, block_size: int) -> int:
+        """The leading tokens the request takes from the cache."""
+        return self.num_blocks * block_size + self.partial_tokens
 
 
 class KVCacheManager:
@@ -47,7 +56,9 @@ class KVCacheManager:
 
     With caching on, every block a request fills is registered, once computed, under the hash of its prefix
     (and its group); a new request starts with the longest cached prefix of its tokens (shared, ref-counted
-    blocks) and computes only the rest. A block shared after `fork` is copied before it is written
+    blocks) and computes only the rest. Where that prefix ends inside a block, the cached block after it with the
+    longest run of the request's next tokens (`BlockTails`) is copied into the request's own block and the run
+    is not computed again either. A block shared after `fork` is copied before it is written
     (copy-on-write). The manager returns plain block ids and hides the pool; it never decides *who* gets
     memory (that is the scheduler's job), only whether an allocation fits.
     """
@@ -66,6 +77,8 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self._pending: dict[BlockHash, str] = {}
         self._owned: dict[str, list[BlockHash]] = {}
+        self._tails = BlockTails()
+        self._partial: dict[str, tuple[int, ...]] = {}
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         tables = self._tables.get(request_id)
@@ -131,7 +144,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
         """Grows `request`'s tables to hold `num_tokens` tokens in all, and gives it its own copy of a shared
         block it is about to write into. Returns the `(src, dst)` block copies to do before the next forward.
-        Precondition: `can_allocate`."""
+        A request started from a `PrefixHit` with a partial block also gets that block copied into its own next
+        block, the first time. Precondition: `can_allocate`."""
         if request.request_id not in self._tables:
             self._tables[request.request_id] = [[] for _ in self.windows]
             self._num_dead[request.request_id] = [0] * len(self.windows)
@@ -148,6 +162,9 @@ class KVCacheManager:
             if length > len(table):
                 table.extend(self.pool.allocate(length - len(table), (request.request_id, group), _live(table),
                                                 growth))
+        if partial := self._partial.pop(request.request_id, None):
+            index = request.next_position // self.block_size
+            copies += [(source, table[index]) for source, table in zip(partial, tables, strict=True)]
         return copies
 
     def _expected_blocks(self, request: Request) -> int:
@@ -183,13 +200,30 @@ class KVCacheManager:
         hashes = self._hashes(request, request.max_cached_tokens // self.block_size)
         found = [self._lookup(hashes, group) for group in range(len(self.policies))]
         missing = [list(itertools.accumulate((block is None for block in blocks), initial=0)) for blocks in found]
-        for length in range(len(hashes), 0, -1):
+        for length in range(len(hashes), -1, -1):
             firsts = [policy.first_needed_block(length) for policy in self.policies]
             if all(missing[g][length] == missing[g][first] for g, first in enumerate(firsts)):
-                return PrefixHit(length, tuple(
+                hit = PrefixHit(length, tuple(
                     (DEAD_BLOCK,) * first + tuple(found[g][first:length])  # type: ignore[arg-type]
                     for g, first in enumerate(firsts)))
+                return self._with_partial(request, hit, hashes)
         return None
+
+    def _with_partial(self, request: Request, hit: PrefixHit, hashes: Sequence[BlockHash]) -> PrefixHit | None:
+        """`hit` and the cached block that continues it furthest into the request's next block, if any (None for
+        an empty `hit` without one)."""
+        start = hit.num_blocks * self.block_size
+        query = request.token_ids[start:min(start + self.block_size - 1, request.max_cached_tokens)]
+        match = self._tails.longest_match(hashes[hit.num_blocks - 1] if hit.num_blocks else None, query,
+                                          self._is_cached) if query else None
+        if match is None:
+            return hit if hit.num_blocks else None
+        blocks = [self.pool.lookup(_group_key(match[0], group)) for group in range(len(self.policies))]
+        return PrefixHit(hit.num_blocks, hit.tables, match[1], tuple(blocks))  # type: ignore[arg-type]
+
+    def _is_cached(self, block_hash: BlockHash) -> bool:
+        """Whether content `block_hash` is cached in every group."""
+        return all(self.pool.lookup(_group_key(block_hash, group)) is not None for group in range(len(self.policies)))
 
     def _lookup(self, hashes: Sequence[BlockHash], group: int) -> list[int | None]:
         """The cached block of `group` for each of `hashes`, None where it is not cached."""
@@ -216,6 +250,8 @@ class KVCacheManager:
         self._tables[request.request_id] = tables
         self._num_dead[request.request_id] = [table.count(DEAD_BLOCK) for table in tables]
         self._num_registered[request.request_id] = num_blocks
+        if hit and hit.partial_tokens:
+            self._partial[request.request_id] = hit.partial_blocks
         if self.enable_caching:
             owned = self._owned.setdefault(request.request_id, [])
             for block_hash in self._hashes(request, request.num_tokens_to_compute // self.block_size)[num_blocks:]:
@@ -235,10 +271,15 @@ class KVCacheManager:
         full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         if full <= start:
             return
-        for index, block_hash in enumerate(self._hashes(request, full)[start:], start):
+        hashes = self._hashes(request, full)
+        size = self.block_size
+        for index, block_hash in enumerate(hashes[start:], start):
             for group, table in enumerate(tables):
                 if table[index] != DEAD_BLOCK:
                     self.pool.cache(table[index], _group_key(block_hash, group))
+            if self._is_cached(block_hash):
+                self._tails.add(hashes[index - 1] if index else None, block_hash,
+                                request.token_ids[index * size:(index + 1) * size], self._is_cached)
             if self._pending.get(block_hash) == request.request_id:
                 del self._pending[block_hash]
         self._num_registered[request.request_id] = full
@@ -266,6 +307,7 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         self._pending.clear()
         self._owned.clear()
+        self._tails.clear()
         for request_id, tables in self._tables.items():
             self._num_registered[request_id] = len(tables[0])
 
@@ -285,6 +327,7 @@ class KVCacheManager:
         """Returns all of `request_id`'s blocks to the pool (last block first). Unknown ids are ignored."""
         tables = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._partial.pop(request_id, None)
         self._num_dead.pop(request_id, None)
         for block_hash in self._owned.pop(request_id, ()):
             if self._pending.get(block_hash) == request_id:
@@ -306,6 +349,7 @@ class KVCacheManager:
         for block_id in range(self.pool.num_touched):
             count = holders[block_id]
             assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count != {count} holders"
+        assert self._partial.keys() <= self._tables.keys(), "a partial block is pending for a request without blocks"
         for owner in self.pool.reserve_owners:
             assert isinstance(owner, tuple) and owner[0] in self._tables, f"{owner} holds a reserve, no blocks"
         self.pool.check_integrity()

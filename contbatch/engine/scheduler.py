@@ -228,7 +228,7 @@ class Scheduler:
         while self.waiting and budget.tokens > 0:
             request = self.waiting.popleft()
             hit = kv.cached_prefix(request)
-            num_cached = hit.num_blocks * kv.block_size if hit else 0
+            num_cached = hit.num_tokens(kv.block_size) if hit else 0
             if kv.is_being_computed(request, num_cached // kv.block_size):
                 deferred.append(request)
                 continue

@@ -38,7 +38,8 @@ def test_cached_blocks_are_shared_with_exact_ids_and_ref_counts() -> None:
     hit = manager.cached_prefix(b)
     assert hit == PrefixHit(2, ((0, 1),))
     c = make_request("c", list(range(1, 9)))
-    assert manager.cached_prefix(c) == PrefixHit(1, ((0,),)), "the last token must be computed: 7 of 8 reused"
+    # the last token must be computed: 7 of 8 reused, block 0 shared and 3 tokens of block 1 copied
+    assert manager.cached_prefix(c) == PrefixHit(1, ((0,),), partial_tokens=3, partial_blocks=(1,))
     manager.start_with_prefix(b, hit)
     b.num_computed_tokens = 8
     manager.allocate_slots(b, 11)
@@ -115,9 +116,11 @@ def test_64_requests_behind_one_system_prompt_compute_it_once() -> None:
         finished = run_engine(engine)
         computed = engine.num_scheduled_tokens_total
     total_prompt = sum(200 + len(suffix) for suffix in suffixes)
-    shared = 200 // 16 * 16
-    assert computed == total_prompt - 63 * shared
-    assert sorted(r.num_cached_tokens for r in finished.values()) == [0] + [shared] * 63
+    cached = [finished[f"r{index}"].num_cached_tokens for index in range(64)]
+    assert computed == total_prompt - sum(cached)
+    assert cached[0] == 0 and min(cached[1:]) >= 200 // 16 * 16, "every later request shares the whole blocks"
+    # the prompt's last 8 tokens share a block with each suffix: copied from the first cached such block on
+    assert sum(count >= 200 for count in cached) >= 40, cached
     for index in (0, 17, 63):
         prompt = system + suffixes[index]
         assert finished[f"r{index}"].generated_tokens == reference_generate(model, prompt, 1)
@@ -137,7 +140,7 @@ def test_changed_weights_never_reuse_stale_kv(update: str) -> None:
     cb = ContinuousBatchingConfig(block_size=8, num_blocks=64)
     first = generate_batch(model, [prompt], config, cb, progress_bar=False, persistent_manager=True)["req_0"]
     again = generate_batch(model, [prompt], config, cb, progress_bar=False, persistent_manager=True)["req_0"]
-    assert again.num_cached_tokens == 32 and again.generated_tokens == first.generated_tokens
+    assert again.num_cached_tokens == 39 and again.generated_tokens == first.generated_tokens
     with torch.no_grad():
         if update == "optimizer":
             torch.optim.SGD(model.parameters(), lr=1.0).zero_grad()

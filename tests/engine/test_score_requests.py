@@ -65,7 +65,8 @@ def test_continuations_after_a_cached_context_are_exact_and_share_its_blocks(nam
 
 def test_the_cached_prefix_stops_before_the_first_position_that_scores() -> None:
     """Only the tokens before the position whose logits score the first entry may come from the cache: with the
-    start inside a cached block, that block is computed again (4 tokens cached, not 8)."""
+    start inside a cached block, the cache supplies block 0 and the 3 tokens of block 1 before that position
+    (copied), and the position itself is computed (7 tokens cached, not 8)."""
     model = tiny_model("llama")
     reference = copy.deepcopy(model)
     prompt = random_prompts([14], seed=410)[0]
@@ -74,7 +75,7 @@ def test_the_cached_prefix_stops_before_the_first_position_that_scores() -> None
         run_engine(engine)
         engine.add_request(prompt, request_id="scored", max_new_tokens=1, prompt_logprobs=0, prompt_logprobs_start=8)
         output = run_engine(engine)["scored"]
-    assert output.num_cached_tokens == 4
+    assert output.num_cached_tokens == 7
     check_scored(output.prompt_logprobs, reference_logprobs(reference, prompt), prompt, 8, 0)
 
 
