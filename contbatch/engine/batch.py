@@ -80,7 +80,8 @@ class SchedulerOutput:
 
     Attributes:
         requests: the scheduled requests, in the order their tokens are packed.
-        block_copies: `(src, dst)` blocks to copy before the forward (copy-on-write of shared blocks).
+        block_copies: `(src, dst)` blocks to copy before the forward, all read before any is written: copy-on-write
+            of shared blocks, and cached blocks whose leading tokens a new request shares (see `PrefixHit`).
         preempted_req_ids: requests evicted from the cache this step to make room; they wait to be recomputed.
     """
 
