@@ -71,6 +71,27 @@ def test_a_prefix_that_ends_inside_a_block_copies_the_cached_block_with_exact_id
     assert manager.pool.is_whole
 
 
+def test_a_prompt_sharing_only_part_of_a_first_block_copies_it() -> None:
+    manager = KVCacheManager(BlockPool(4), block_size=4, enable_caching=True)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    manager.start_with_prefix(a, None)
+    manager.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    manager.cache_computed_blocks(a)
+    manager.free("a")
+    b = make_request("b", [1, 2, 9, 9])
+    hit = manager.cached_prefix(b)
+    assert hit == PrefixHit(0, ((),), 2, (0,))
+    manager.start_with_prefix(b, hit)
+    b.num_computed_tokens = 2
+    assert manager.allocate_slots(b, 4) == [(0, 1)], "a's freed block 1 is the first plain free block"
+    assert [manager.pool.ref_count(i) for i in range(2)] == [0, 1]
+    assert manager.pool.lookup(manager._hashes(a, 1)[0]) == 0, "the copied block stays cached, unheld"
+    manager.free("b")
+    manager.check_integrity()
+    assert manager.pool.is_whole
+
+
 def test_no_partial_hit_from_an_evicted_block_or_without_caching() -> None:
     manager = KVCacheManager(BlockPool(3), block_size=4, enable_caching=True)
     a = make_request("a", list(range(1, 9)))
