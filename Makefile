@@ -15,9 +15,12 @@ PEERS_PIP_ARGS ?=
 
 # uv installs what pip would (the same resolution, checked against `pip freeze`) in a seventh of pip's time. It does
 # not read pip's configuration: torch 2.13.0's CPU build comes from TORCH_FIND_LINKS (pip's find-links directory
-# where the environment names one), else from pip itself; if uv fails, pip installs the rest.
+# where the environment names one), else from pip itself; if uv fails, pip installs the rest. Both write every
+# module's bytecode at install time, as pip does by default and uv only when asked: where PYTHONDONTWRITEBYTECODE is
+# set, a venv without it compiles torch and transformers from source in every process (20 s to import contbatch on a
+# Zen 3 core, 10 s with it), and the suite starts dozens of processes.
 TORCH_FIND_LINKS ?= $(PIP_FIND_LINKS)
-UV := $(BIN)/python -m uv pip install --quiet --python $(BIN)/python
+UV := $(BIN)/python -m uv pip install --quiet --compile-bytecode --python $(BIN)/python
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
