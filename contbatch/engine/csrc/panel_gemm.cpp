@@ -48,6 +48,16 @@ constexpr int64_t kBlockFloats = 96 * 1024;
 // At 32 rows and weights streamed from memory this is about 1.2x; from about 128 rows it no longer helps.
 constexpr int64_t kChunkMaxRows = 96;
 constexpr int64_t kChunk = 96;
+// Where the next panels' lines are prefetched to (`__builtin_prefetch`'s locality). They are read only once the
+// current panels are done, and a task's next panels (36-72 KiB) exceed L1: prefetched into L1 they evict the chunk
+// the current tiles reuse. On AVX-512 builds they go to L2 (prefetcht1): on a Zen 4, 30 layers' products from memory
+// 1.2-1.4x faster at 8-32 rows, 1.05x at 128 (docs/performance.md, "a forty-eighth session"); AVX2 builds measured no
+// change there and keep L1.
+#if defined(__AVX512F__)
+constexpr int kNextPanelsLocality = 2;
+#else
+constexpr int kNextPanelsLocality = 3;
+#endif
 
 // Runs BODY(r) for the tile's rows r < R; BODY names row r's accumulators c<r>0 and c<r>1. Named accumulators, not
 // arrays: GCC keeps arrays of __m256 in memory and stores them at every k.
@@ -268,7 +278,7 @@ void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int6
     for (int64_t m = m0; m < m1; m += Kind::kRows, ++step) {
       const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
       for (int64_t line = step * lines_per_step; line < stop; ++line) {
-        if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * Kind::kLine, 0, 3);
+        if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * Kind::kLine, 0, kNextPanelsLocality);
       }
       Kind::tile(std::min(Kind::kRows, m1 - m), width)(xs + m * steps_k + k0, steps_k, kc, panel + k0 * Kind::kLine,
                                                          steps_k * Kind::kLine, ys + m * N + col, N, ncols, bias,
