@@ -51,7 +51,7 @@ constexpr int64_t kChunk = 96;
 // Where the next panels' lines are prefetched to (`__builtin_prefetch`'s locality). They are read only once the
 // current panels are done, and a task's next panels (36-72 KiB) exceed L1: prefetched into L1 they evict the chunk
 // the current tiles reuse. On AVX-512 builds they go to L2 (prefetcht1): on a Zen 4, 30 layers' products from memory
-// 1.2-1.4x faster at 8-32 rows, 1.05x at 128 (docs/performance.md, "a forty-eighth session"); AVX2 builds measured no
+// 1.25-1.45x faster at 8-32 rows, 1.08x at 128 (docs/performance.md, "a forty-eighth session"); AVX2 builds measured no
 // change there and keep L1.
 #if defined(__AVX512F__)
 constexpr int kNextPanelsLocality = 2;
