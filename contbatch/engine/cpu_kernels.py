@@ -28,6 +28,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from contbatch.engine.kernel_tuning import tune
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -78,16 +80,22 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def kernel_module() -> Any:
     """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`, `rms_norm`,
     `silu_mul`, `rope`, `screen_quantize`, `screen_tokens`, `has_vnni()`, `draw_rows`, and `parallel_threads()`:
-    how many threads its `at::parallel_for` runs on), or None when disabled or not buildable."""
+    how many threads its `at::parallel_for` runs on), or None when disabled or not buildable. Its attention
+    kernel's prefetch level is set for this machine on load (`kernel_tuning.tune`).
+
+    Raises:
+        ValueError: `CONTBATCH_ATTENTION_PREFETCH` has a value other than "l1", "l2" or "auto"."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
+    name = extension_name()
     try:
         openmp = _openmp_flags()
-        module = load_extension(extension_name(), _SOURCES, extra_cflags=["-O3", f"-march={target_arch()}", *openmp],
+        module = load_extension(name, _SOURCES, extra_cflags=["-O3", f"-march={target_arch()}", *openmp],
                                 extra_ldflags=openmp)
     except Exception as error:  # no compiler, no ninja, no headers: the SDPA path still works
         logger.warning("contbatch: CPU decode kernel unavailable (%s); using SDPA", error)
         return None
+    tune(module, build_directory(name))
     return module
 
 

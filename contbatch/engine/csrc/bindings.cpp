@@ -19,6 +19,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   double softcap, int64_t queries_per_request,
                                   const c10::optional<at::Tensor>& row_requests,
                                   const c10::optional<at::Tensor>& sinks);
+void set_attention_prefetch(int64_t level);
+int64_t attention_prefetch();
 
 // panel_gemm.cpp
 bool has_panel_gemm();
@@ -63,6 +65,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slots"), py::arg("lengths"),
         py::arg("first"), py::arg("scale"), py::arg("softcap"), py::arg("queries_per_request"),
         py::arg("row_requests") = py::none(), py::arg("sinks") = py::none());
+  m.def("set_attention_prefetch", &set_attention_prefetch,
+        "the cache level (1 or 2) paged_decode_attention prefetches rows to, for the whole process");
+  m.def("attention_prefetch", &attention_prefetch, "the cache level paged_decode_attention prefetches rows to");
   m.def("row_argmax", &row_argmax, kNoGil, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");

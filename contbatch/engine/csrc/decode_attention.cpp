@@ -14,10 +14,13 @@
 // probabilities, 16 rows at a time with the output rows held in registers: each output element is one sum over the
 // positions in order, whatever the width. Each key row is prefetched 32 positions before it is read, each value row
 // during the key pass, and the key rows of a thread's next task while the current one's value pass runs. Elsewhere
-// a scalar two-pass loop computes the same function.
+// a scalar two-pass loop computes the same function. The prefetches go to L1 or to L2 (`set_attention_prefetch`):
+// which streams faster depends on the CPU, and contbatch measures it once a machine (engine/kernel_tuning.py).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -26,10 +29,21 @@
 // kPrefetchAhead positions before it is read (prefetching changes no arithmetic).
 constexpr int64_t kPrefetchAhead = 8;
 
-template <typename T>
+static std::atomic<int64_t> prefetch_level{1};
+
+// Where the kernel prefetches rows to: cache level 1 (`prefetcht0`) or 2 (`prefetcht1`); no arithmetic changes.
+void set_attention_prefetch(int64_t level) {
+  TORCH_CHECK(level == 1 || level == 2, "attention prefetch: cache level 1 or 2, got ", level);
+  prefetch_level.store(level, std::memory_order_relaxed);
+}
+
+int64_t attention_prefetch() { return prefetch_level.load(std::memory_order_relaxed); }
+
+// Loc: __builtin_prefetch's locality, 3 for L1, 2 for L2.
+template <int Loc, typename T>
 static inline void prefetch_row(const T* row, int64_t dim) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
-  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d, 0, 3);
+  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d, 0, Loc);
 }
 
 template <typename T>
@@ -44,7 +58,7 @@ struct Task {
   const float* sinks;    // [group] the query heads' sink logits (gpt-oss), or null
 };
 
-template <typename T>
+template <int Loc, typename T>
 static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t group = t.group, dim = t.dim, n = t.length, f = t.first;
   scores.assign(group * n, 0.f);
@@ -52,7 +66,7 @@ static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vec
   std::vector<float> row_max(group, -INFINITY), row_sum(group, 0.f);
   for (int64_t j = f; j < n; ++j) {
     const T* kr = t.k + t.slots[j] * dim;
-    if (j + kPrefetchAhead < n) prefetch_row(t.k + t.slots[j + kPrefetchAhead] * dim, dim);
+    if (j + kPrefetchAhead < n) prefetch_row<Loc>(t.k + t.slots[j + kPrefetchAhead] * dim, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = t.q + g * dim;
       float s = 0.f;
@@ -69,7 +83,7 @@ static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vec
   }
   for (int64_t j = f; j < n; ++j) {
     const T* vr = t.v + t.slots[j] * dim;
-    if (j + kPrefetchAhead < n) prefetch_row(t.v + t.slots[j + kPrefetchAhead] * dim, dim);
+    if (j + kPrefetchAhead < n) prefetch_row<Loc>(t.v + t.slots[j + kPrefetchAhead] * dim, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float p = std::exp(scores[g * n + j] - row_max[g]);
       row_sum[g] += p;
@@ -204,7 +218,7 @@ static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
 // The value pass: out[g] = sum over positions of probs[g] * value row, kValueRows rows at a time. Meanwhile the key
 // rows of `next` (the thread's next task, or null) past its first kKeyPrefetch are prefetched, kNextKeys rows per
 // kValueRows value rows, so that the memory keeps streaming while the value pass computes from the cache.
-template <typename S, typename T>
+template <typename S, int Loc, typename T>
 static void weigh_values(const Task<T>& t, const float* scores, int64_t stride, const Task<T>* next) {
   constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
   const T* rows[kValueRows];
@@ -214,10 +228,10 @@ static void weigh_values(const Task<T>& t, const float* scores, int64_t stride, 
     const int64_t count = std::min<int64_t>(kValueRows, n - j0);
     for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
     for (int64_t j = j0 + kValueRows; j < std::min(j0 + 2 * kValueRows, n); ++j)
-      prefetch_row(t.v + t.slots[j] * dim, dim);
+      prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
     if (next != nullptr)
       for (int64_t j = ahead; j < std::min(ahead + kNextKeys, next->length); ++j)
-        prefetch_row(next->k + next->slots[j] * dim, dim);
+        prefetch_row<Loc>(next->k + next->slots[j] * dim, dim);
     const float* p = scores + (j0 - t.first);
     for (int64_t g = 0; g < t.group; g += 4) {
       float* out = t.out + g * dim;
@@ -234,28 +248,28 @@ static void weigh_values(const Task<T>& t, const float* scores, int64_t stride, 
 
 // One task with S's lanes (head_dim a multiple of S::kWidth); `next` (or null): the thread's next task, whose key rows
 // are prefetched from before the value pass on.
-template <typename S, typename T>
+template <typename S, int Loc, typename T>
 static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float>& scores) {
   const int64_t dim = t.dim, first = t.first, n = t.length;
   const int64_t stride = (n - first + 7) / 8 * 8;
   scores.resize(t.group * stride);
   const T* rows[8];
-  for (int64_t j = first; j < std::min(first + kKeyPrefetch, n); ++j) prefetch_row(t.k + t.slots[j] * dim, dim);
-  for (int64_t j = first; j < std::min(first + 8, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+  for (int64_t j = first; j < std::min(first + kKeyPrefetch, n); ++j) prefetch_row<Loc>(t.k + t.slots[j] * dim, dim);
+  for (int64_t j = first; j < std::min(first + 8, n); ++j) prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
   for (int64_t j0 = first; j0 < n; j0 += 8) {
     const int64_t count = std::min<int64_t>(8, n - j0);
     for (int i = 0; i < 8; ++i) rows[i] = t.k + t.slots[j0 + std::min<int64_t>(i, count - 1)] * dim;
     for (int64_t j = j0 + kKeyPrefetch; j < std::min(j0 + kKeyPrefetch + 8, n); ++j)
-      prefetch_row(t.k + t.slots[j] * dim, dim);
-    for (int64_t j = j0 + 8; j < std::min(j0 + 16, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+      prefetch_row<Loc>(t.k + t.slots[j] * dim, dim);
+    for (int64_t j = j0 + 8; j < std::min(j0 + 16, n); ++j) prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
     scores_of_rows<S>(t, rows, count, scores.data() + (j0 - first), stride);
   }
-  for (int64_t j = first; j < std::min(first + kValueRows, n); ++j) prefetch_row(t.v + t.slots[j] * dim, dim);
+  for (int64_t j = first; j < std::min(first + kValueRows, n); ++j) prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
   if (next != nullptr)
     for (int64_t j = next->first; j < std::min(next->first + kKeyPrefetch, next->length); ++j)
-      prefetch_row(next->k + next->slots[j] * dim, dim);
+      prefetch_row<Loc>(next->k + next->slots[j] * dim, dim);
   softmax_rows(t, scores.data(), stride);
-  weigh_values<S>(t, scores.data(), stride, next);
+  weigh_values<S, Loc>(t, scores.data(), stride, next);
 }
 #endif
 
@@ -276,7 +290,7 @@ static std::vector<int64_t> balanced_parts(const int64_t* length, const int64_t*
   return bounds;
 }
 
-template <typename T>
+template <int Loc, typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request,
@@ -298,17 +312,17 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
       const Task<T>* next = task + 1 < end ? &following : nullptr;
 #ifdef CONTBATCH_AVX512
       if (dim % 16 == 0) {
-        attend_simd<Lanes16>(t, next, scratch_a);
+        attend_simd<Lanes16, Loc>(t, next, scratch_a);
         continue;
       }
 #endif
 #ifdef CONTBATCH_AVX2
       if (dim % 8 == 0) {
-        attend_simd<Lanes8>(t, next, scratch_a);
+        attend_simd<Lanes8, Loc>(t, next, scratch_a);
         continue;
       }
 #endif
-      attend_scalar(t, scratch_a, scratch_b);
+      attend_scalar<Loc>(t, scratch_a, scratch_b);
     }
   });
 }
@@ -361,13 +375,19 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t* start = first.data_ptr<int64_t>();
   float* out = output.data_ptr<float>();
   const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
+  const auto attend = [&](const auto* k, const auto* v) {
+    const auto run = [&](auto locality) {
+      attend_tasks<decltype(locality)::value>(q, k, v, slot, length, start, out, batch, heads, kv_heads, dim,
+                                              num_slots, max_len, queries_per_request, request_of, scale32,
+                                              softcap32, sink);
+    };
+    if (attention_prefetch() == 2) run(std::integral_constant<int, 2>{});
+    else run(std::integral_constant<int, 3>{});
+  };
   if (dtype == at::kFloat) {
-    attend_tasks(q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slot, length, start, out, batch, heads,
-                 kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32, softcap32, sink);
+    attend(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
     return output;
   }
-  attend_tasks(q, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), slot, length, start,
-               out, batch, heads, kv_heads, dim, num_slots, max_len, queries_per_request, request_of, scale32,
-               softcap32, sink);
+  attend(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
   return output.to(dtype);
 }
