@@ -10,7 +10,8 @@ prefetch changes no arithmetic, so outputs do not depend on the choice.
 
 `tune(module, directory)` sets the level: `CONTBATCH_ATTENTION_PREFETCH` ("l1" or "l2") where set, else the level
 stored in `directory`'s `tuning.json` (the extension's build directory: one per CPU kind and build target), else
-the faster of `measure_attention_prefetch` (about 0.3 s), which is then stored there.
+the faster of `measure_attention_prefetch` (about 0.3 s), which is then stored there; processes that load a new
+build together measure one at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +47,35 @@ def tune(module: Any, directory: Path) -> int:
     """
     level = _forced_level() or _stored_level(directory)
     if level is None:
-        seconds = measure_attention_prefetch(module)
-        level = min(seconds, key=lambda candidate: seconds[candidate])
-        _store(directory, level, seconds)
-        logger.info("contbatch: attention prefetch into L%d (%s)", level,
-                    ", ".join(f"L{key} {value * 1e3:.1f} ms" for key, value in sorted(seconds.items())))
+        with _exclusive(directory):
+            level = _stored_level(directory) or _measure_and_store(module, directory)
     module.set_attention_prefetch(level)
     return level
+
+
+def _measure_and_store(module: Any, directory: Path) -> int:
+    seconds = measure_attention_prefetch(module)
+    level = min(seconds, key=lambda candidate: seconds[candidate])
+    _store(directory, level, seconds)
+    logger.info("contbatch: attention prefetch into L%d (%s)", level,
+                ", ".join(f"L{key} {value * 1e3:.1f} ms" for key, value in sorted(seconds.items())))
+    return level
+
+
+@contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """An `flock` on `directory`'s tuning lock while the block runs, so that processes loading a new build together
+    measure one at a time (the later ones then find the stored level) instead of disturbing each other's timings;
+    no lock where the directory cannot be written."""
+    import fcntl  # POSIX, as the kernels' build lock
+
+    with ExitStack() as stack:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fcntl.flock(stack.enter_context(open(directory / "tuning.flock", "w")), fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
 
 def _forced_level() -> int | None:

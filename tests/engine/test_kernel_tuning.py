@@ -93,6 +93,30 @@ def test_the_faster_level_is_stored_and_reused(module: Any, monkeypatch: pytest.
     assert len(measured) == 4
 
 
+def test_a_level_stored_while_waiting_for_the_lock_is_taken(module: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    """Another process stores its measurement between this one's first look and its lock: this one takes it
+    instead of measuring again."""
+    looked: list[int | None] = []
+    stored_level = kernel_tuning._stored_level
+
+    def look(directory: Path) -> int | None:
+        if not looked:
+            (directory / TUNING_FILE).write_text(json.dumps({"attention_prefetch": 2}))
+            looked.append(None)
+            return None
+        looked.append(stored_level(directory))
+        return looked[-1]
+
+    def measure(built: Any) -> dict[int, float]:
+        raise AssertionError("measured although a level was stored")
+
+    monkeypatch.setattr(kernel_tuning, "_stored_level", look)
+    monkeypatch.setattr(kernel_tuning, "measure_attention_prefetch", measure)
+    assert tune(module, tmp_path) == 2 and looked == [None, 2]
+    assert (tmp_path / "tuning.flock").exists()
+
+
 def test_the_setting_overrides_the_measurement(module: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """"l1" / "l2" (any case) set the level without measuring or storing; "auto" measures; anything else is an
     error naming the value."""
