@@ -24,6 +24,8 @@ int64_t attention_prefetch();
 
 // panel_gemm.cpp
 bool has_panel_gemm();
+void set_panel_prefetch(int64_t level);
+int64_t panel_prefetch();
 bool has_wide_panels();
 bool has_pair_panels();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
@@ -72,6 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");
   m.def("has_pair_panels", &has_pair_panels, "whether panel_linear takes bfloat16 panels in k pairs (AVX512-BF16)");
+  m.def("set_panel_prefetch", &set_panel_prefetch,
+        "the cache level (1 or 2) panel_linear prefetches its next panels to, for the whole process");
+  m.def("panel_prefetch", &panel_prefetch, "the cache level panel_linear prefetches its next panels to");
   m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("rms_norm", &rms_norm, kNoGil, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, kNoGil, "F.silu(gate) * up (CPU, float32 or bfloat16)");

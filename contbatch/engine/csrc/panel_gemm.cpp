@@ -32,8 +32,20 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <utility>
+
+// Where a task prefetches its next panels' lines (36-72 KiB, read after the current ones): cache level 1 or 2, for the
+// process. Into L1 they can evict the chunk the current tiles reuse (on a Zen 4's AVX-512 build L2 was 1.25-1.45x at
+// 8-32 rows); which is faster depends on the CPU, measured once a machine (engine/kernel_tuning.py).
+static std::atomic<int64_t> panel_prefetch_level{1};
+
+void set_panel_prefetch(int64_t level) {
+  TORCH_CHECK(level == 1 || level == 2, "panel prefetch: cache level 1 or 2, got ", level);
+  panel_prefetch_level.store(level, std::memory_order_relaxed);
+}
+int64_t panel_prefetch() { return panel_prefetch_level.load(std::memory_order_relaxed); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -48,16 +60,6 @@ constexpr int64_t kBlockFloats = 96 * 1024;
 // At 32 rows and weights streamed from memory this is about 1.2x; from about 128 rows it no longer helps.
 constexpr int64_t kChunkMaxRows = 96;
 constexpr int64_t kChunk = 96;
-// Where the next panels' lines are prefetched to (`__builtin_prefetch`'s locality). They are read only once the
-// current panels are done, and a task's next panels (36-72 KiB) exceed L1: prefetched into L1 they evict the chunk
-// the current tiles reuse. On AVX-512 builds they go to L2 (prefetcht1): on a Zen 4, 30 layers' products from memory
-// 1.25-1.45x faster at 8-32 rows, 1.08x at 128 (docs/performance.md, "a forty-eighth session"); AVX2 builds measured no
-// change there and keep L1.
-#if defined(__AVX512F__)
-constexpr int kNextPanelsLocality = 2;
-#else
-constexpr int kNextPanelsLocality = 3;
-#endif
 
 // Runs BODY(r) for the tile's rows r < R; BODY names row r's accumulators c<r>0 and c<r>1. Named accumulators, not
 // arrays: GCC keeps arrays of __m256 in memory and stores them at every k.
@@ -262,8 +264,9 @@ struct PairPanels {
 #endif
 
 // The tiles of rows [m0, m1) over `width` panels from `panel` (their first column `col`), k steps in chunks of
-// `chunk`; the `next_lines` lines from `next` (the thread's next panels) are prefetched a share before each tile.
-template <typename Kind>
+// `chunk`; the `next_lines` lines from `next` (the thread's next panels) are prefetched a share before each tile, with
+// `__builtin_prefetch`'s locality Loc (3: L1, 2: L2).
+template <typename Kind, int Loc>
 void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int64_t width, const float* bias,
                  float* ys, int64_t m0, int64_t m1, int64_t steps_k, int64_t N, int64_t col, int64_t chunk,
                  const typename Kind::P* next, int64_t next_lines) {
@@ -278,7 +281,7 @@ void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int6
     for (int64_t m = m0; m < m1; m += Kind::kRows, ++step) {
       const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
       for (int64_t line = step * lines_per_step; line < stop; ++line) {
-        if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * Kind::kLine, 0, kNextPanelsLocality);
+        if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * Kind::kLine, 0, Loc);
       }
       Kind::tile(std::min(Kind::kRows, m1 - m), width)(xs + m * steps_k + k0, steps_k, kc, panel + k0 * Kind::kLine,
                                                          steps_k * Kind::kLine, ys + m * N + col, N, ncols, bias,
@@ -289,7 +292,7 @@ void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int6
 
 // y [M, N] = xs [M, steps_k] (k steps of the kind's X) @ W.T + bias, W in panels `ps` [P, steps_k, kLine]. A thread
 // takes its panels `Kind::kWidth` at a time (fewer where its range ends).
-template <typename Kind>
+template <typename Kind, int Loc>
 void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const float* bias_data, float* ys,
                    int64_t M, int64_t steps_k, int64_t N, int64_t P_count) {
   constexpr int64_t kRows = Kind::kRows;
@@ -300,13 +303,21 @@ void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const
       for (int64_t p = begin; p < end;) {
         const int64_t width = std::min(Kind::kWidth, end - p), following = std::min(Kind::kWidth, end - p - width);
         const typename Kind::P* panel = ps + p * steps_k * Kind::kLine;
-        panel_tiles<Kind>(xs, panel, width, bias_data ? bias_data + p * kPanel : nullptr, ys, m0,
+        panel_tiles<Kind, Loc>(xs, panel, width, bias_data ? bias_data + p * kPanel : nullptr, ys, m0,
                           std::min(M, m0 + block), steps_k, N, p * kPanel, chunk, panel + width * steps_k * Kind::kLine,
                           following * steps_k);
         p += width;
       }
     }
   });
+}
+
+// `panel_product` with the process's prefetch level (`set_panel_prefetch`).
+template <typename Kind>
+void panel_product_at_level(const typename Kind::X* xs, const typename Kind::P* ps, const float* bias_data, float* ys,
+                            int64_t M, int64_t steps_k, int64_t N, int64_t P_count) {
+  if (panel_prefetch() == 2) panel_product<Kind, 2>(xs, ps, bias_data, ys, M, steps_k, N, P_count);
+  else panel_product<Kind, 3>(xs, ps, bias_data, ys, M, steps_k, N, P_count);
 }
 
 }  // namespace
@@ -356,7 +367,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   const float* bias_data = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
   if (dtype == at::kFloat) {
-    panel_product<FloatPanels>(x.data_ptr<float>(), panels.data_ptr<float>(), bias_data, ys, M, K, N, P);
+    panel_product_at_level<FloatPanels>(x.data_ptr<float>(), panels.data_ptr<float>(), bias_data, ys, M, K, N, P);
     return y;
   }
   const auto* bf16 = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
@@ -364,12 +375,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   if (pairs) {
     const at::Tensor even = K % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
     const auto* xs = reinterpret_cast<const int32_t*>(even.data_ptr<at::BFloat16>());
-    panel_product<PairPanels>(xs, bf16, bias_data, ys, M, steps_k, N, P);
+    panel_product_at_level<PairPanels>(xs, bf16, bias_data, ys, M, steps_k, N, P);
     return y.to(dtype);
   }
 #endif
   const at::Tensor x32 = x.to(at::kFloat);
-  panel_product<WidenedPanels>(x32.data_ptr<float>(), bf16, bias_data, ys, M, K, N, P);
+  panel_product_at_level<WidenedPanels>(x32.data_ptr<float>(), bf16, bias_data, ys, M, K, N, P);
   return y.to(dtype);
 }
 
