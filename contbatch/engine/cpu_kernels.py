@@ -80,11 +80,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def kernel_module() -> Any:
     """The built extension (`paged_decode_attention`, `write_rows`, `row_argmax`, `panel_linear`, `rms_norm`,
     `silu_mul`, `rope`, `screen_quantize`, `screen_tokens`, `has_vnni()`, `draw_rows`, and `parallel_threads()`:
-    how many threads its `at::parallel_for` runs on), or None when disabled or not buildable. Its attention
-    kernel's prefetch level is set for this machine on load (`kernel_tuning.tune`).
+    how many threads its `at::parallel_for` runs on), or None when disabled or not buildable. The prefetch levels
+    of its attention kernel and panel product are set for this machine on load (`kernel_tuning.tune`).
 
     Raises:
-        ValueError: `CONTBATCH_ATTENTION_PREFETCH` has a value other than "l1", "l2" or "auto"."""
+        ValueError: `CONTBATCH_ATTENTION_PREFETCH` or `CONTBATCH_PANEL_PREFETCH` has a value other than "l1", "l2"
+            or "auto"."""
     if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0":
         return None
     name = extension_name()

@@ -304,8 +304,8 @@ void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const
         const int64_t width = std::min(Kind::kWidth, end - p), following = std::min(Kind::kWidth, end - p - width);
         const typename Kind::P* panel = ps + p * steps_k * Kind::kLine;
         panel_tiles<Kind, Loc>(xs, panel, width, bias_data ? bias_data + p * kPanel : nullptr, ys, m0,
-                          std::min(M, m0 + block), steps_k, N, p * kPanel, chunk, panel + width * steps_k * Kind::kLine,
-                          following * steps_k);
+                               std::min(M, m0 + block), steps_k, N, p * kPanel, chunk,
+                               panel + width * steps_k * Kind::kLine, following * steps_k);
         p += width;
       }
     }
