@@ -107,13 +107,19 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
             *x.shape[:-1], weight.shape[0])
     gemm = panel_gemm() if panels else None
     if gemm is not None:
-        out = gemm(x.reshape(rows, x.shape[-1]).contiguous(), packed, weight.shape[0],
-                   None if bias is None else bias.contiguous())
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _panel_call(gemm, x, packed, weight.shape[0], bias)
     if head and (chunked := chunked_product(x.reshape(rows, x.shape[-1]), packed, bias,
                                             weight.shape[0])) is not None:
         return chunked.view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _panel_call(gemm: PanelLinear, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """`gemm` (the panel kernel) over `x`'s rows, any leading dims, the result in `x`'s leading shape."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = gemm(rows, panels, out_features, None if bias is None else bias.contiguous())
+    return out.view(*x.shape[:-1], out_features)
 
 
 def _unpacked_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -230,11 +236,8 @@ class PackedLinear(nn.Module):
         direct = self._direct
         if direct is not None and x.dtype is self.dtype and not torch.is_grad_enabled() and x.dim() > 1:
             gemm, packed, out_features, max_rows = direct
-            rows = x.reshape(-1, x.shape[-1])
-            if not torch.compiler.is_compiling() and (max_rows < 0 or rows.shape[0] <= max_rows):
-                bias = self._parameters_of[1]
-                out = gemm(rows.contiguous(), packed, out_features, None if bias is None else bias.contiguous())
-                return out.view(*x.shape[:-1], out_features)
+            if not torch.compiler.is_compiling() and (max_rows < 0 or math.prod(x.shape[:-1]) <= max_rows):
+                return _panel_call(gemm, x, packed, out_features, self._parameters_of[1])
         compiling = torch.compiler.is_compiling()
         weight, bias = (self.weight, self.bias) if compiling else self._parameters_of
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
