@@ -136,6 +136,27 @@ def test_bfloat16_is_the_float32_product_rounded_once(pairs: bool, bias: bool, r
     assert (out == exact.to(torch.bfloat16)).double().mean() >= 0.98
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 5, 3), (7, 17, 37), (32, 200, 576), (301, 40, 576), (200, 100, 1000), (13, 3, 0),
+])
+def test_bfloat16_outputs_are_the_float32_chains_rounded_as_torch_rounds(bias: bool, rows: int, out_features: int,
+                                                                         in_features: int) -> None:
+    """Widened bfloat16 lines run the float32 kernel's FMA chains; each task rounds its outputs to bfloat16 itself
+    (no float32 [rows, out] result): bit for bit the float32 kernel's result through `.to(torch.bfloat16)`, over
+    column tails, several row blocks and a bias."""
+    generator = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16) * 3
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    gemm = panel_gemm()
+    out = gemm(x, pack_panels(weight, pairs=False), out_features, b)  # type: ignore[misc]
+    chains = gemm(x.float(), pack_panels(weight.float()), out_features,  # type: ignore[misc]
+                  None if b is None else b.float())
+    rounded = chains.to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), rounded.view(torch.int16))
+
+
 @pytest.mark.parametrize("pairs", BF16_LAYOUTS)
 def test_a_bfloat16_rows_result_does_not_depend_on_the_batch(pairs: bool) -> None:
     generator = torch.Generator().manual_seed(1)
