@@ -101,9 +101,8 @@ struct PairPanels {
 #endif
 
 // The tiles of rows [m0, m1) over `width` panels from `panel` (`ncols` real columns), into y (row m0's outputs, rows
-// `ldy` floats apart), k steps in chunks of
-// `chunk`; the `next_lines` lines from `next` (the thread's next panels) are prefetched a share before each tile, with
-// `__builtin_prefetch`'s locality Loc (3: L1, 2: L2).
+// `ldy` floats apart), k steps in chunks of `chunk`; the `next_lines` lines from `next` (the thread's next panels) are
+// prefetched a share before each tile, with `__builtin_prefetch`'s locality Loc (3: L1, 2: L2).
 template <typename Kind, int Loc>
 void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int64_t width, const float* bias,
                  float* y, int64_t ldy, int64_t ncols, int64_t m0, int64_t m1, int64_t steps_k, int64_t chunk,
