@@ -147,11 +147,10 @@ void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const
   constexpr int64_t kRows = Kind::kRows, kTaskCols = Kind::kWidth * kPanel;
   const int64_t block = std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(steps_k, 1) / kRows * kRows);
   const int64_t chunk = std::max<int64_t>(1, M <= Kind::kChunkRows ? std::min(kChunk, steps_k) : steps_k);
+  const size_t scratch_floats = ys16 ? static_cast<size_t>(std::min(M, block) * kTaskCols) : 0;
   at::parallel_for(0, P_count, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
-    if (ys16 && scratch.size() < static_cast<size_t>(std::min(M, block) * kTaskCols)) {
-      scratch.resize(std::min(M, block) * kTaskCols);
-    }
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t m1 = std::min(M, m0 + block);
       for (int64_t p = begin; p < end;) {
