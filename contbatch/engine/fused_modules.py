@@ -47,18 +47,70 @@ from contbatch.engine.cpu_kernels import kernel_module
 
 PLAN_ATTRIBUTE = "_contbatch_fused_plan"
 _DTYPES = (torch.float32, torch.bfloat16)
+_KERNELS_FUNCTION_MODULE = "_create_func_module.<locals>.Func"
+_CACHE_KWARGS = ("past_key_values", "cache")
+"""The attention forward's KV cache, named `past_key_values` before transformers 5.24 and `cache` since; a layer
+given one (`generate`'s) runs its own forward, and the attention function gets neither, as in that forward."""
 
 
 @functools.lru_cache(maxsize=256)
-def _same_code(function: object, reference: Callable[..., Any]) -> bool:
-    """Whether `function` is `reference`, or a function compiled from the same source text (bytecode, constants
-    and names equal: transformers' "Copied from" classes). Cached: every forward checks its plan with it."""
+def _same_code(function: object, reference: object) -> bool:
+    """Whether `function` computes what `reference` does: it is `reference`, or both are functions compiled from
+    the same source text (bytecode, constants and names equal: transformers' "Copied from" classes) whose closures
+    hold the same values, the functions among them compared the same way: a decorated function
+    (`functools.wraps`, as transformers 5.24's `deprecate_kwarg` wraps the forwards) matches one under the same
+    decorators around the same code. A function module of the `kernels` package (`_function_of`) stands for its
+    function. Cached: every forward checks its plan with it."""
+    return _same_function(function, reference, 0)
+
+
+def _same_function(function: object, reference: object, depth: int) -> bool:
     if function is reference:
         return True
-    if not isinstance(function, types.FunctionType):
+    function, reference = _function_of(function), _function_of(reference)
+    if not (isinstance(function, types.FunctionType) and isinstance(reference, types.FunctionType)) or depth > 6:
         return False
     code, own = function.__code__, reference.__code__
-    return code.co_code == own.co_code and code.co_consts == own.co_consts and code.co_names == own.co_names
+    if (code.co_code, code.co_consts, code.co_names) != (own.co_code, own.co_consts, own.co_names):
+        return False
+    cells, own_cells = function.__closure__ or (), reference.__closure__ or ()
+    return len(cells) == len(own_cells) and all(
+        _same_value(cell.cell_contents, own_cell.cell_contents, depth + 1)
+        for cell, own_cell in zip(cells, own_cells, strict=True))
+
+
+def _same_value(value: object, own: object, depth: int) -> bool:
+    """A closure's values compared: functions (and `kernels` function modules) by `_same_function`, tuples item by
+    item, anything else by equality."""
+    if value is own:
+        return True
+    if isinstance(value, tuple) and isinstance(own, tuple):
+        return len(value) == len(own) and all(_same_value(a, b, depth) for a, b in zip(value, own, strict=True))
+    if callable(value) or callable(own):
+        return _same_function(value, own, depth)
+    try:
+        return bool(value == own)
+    except Exception:  # a value without a plain equality is not shown to be the same
+        return False
+
+
+def _function_of(value: object) -> object:
+    """The function a `kernels` function module computes (transformers 5.25 wraps `apply_rotary_pos_emb` in
+    one: `use_kernel_forward_from_hub` on a function), while no hub kernel replaced its forward; `value` itself
+    otherwise."""
+    if not (isinstance(value, nn.Module) and type(value).__qualname__ == _KERNELS_FUNCTION_MODULE
+            and "forward" not in value.__dict__):
+        return value
+    functions = [cell.cell_contents for cell in type(value).forward.__closure__ or ()
+                 if isinstance(cell.cell_contents, types.FunctionType)]
+    return functions[0] if len(functions) == 1 else value
+
+
+def _innermost(function: Any) -> Any:
+    """The function `function` wraps, through every `functools.wraps` level."""
+    while isinstance(function, types.FunctionType) and "__wrapped__" in function.__dict__:
+        function = function.__dict__["__wrapped__"]
+    return function
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -101,10 +153,13 @@ def _attention_arguments(module: nn.Module) -> Callable[[nn.Module], dict[str, A
 def is_llama_attention(module: nn.Module) -> bool:
     """Whether `module` computes `LlamaAttention`'s forward, or Qwen2's or Mistral's (Llama's with a window): its
     class's `forward` is that code, and the `apply_rotary_pos_emb` and `rotate_half` it calls (its module's) are
-    Llama's code too; no hooks."""
-    if _attention_arguments(module) is None or not _unhooked(module):
+    Llama's code too, with no hub kernel in place of either (`kernels`' private wrappers, `_kernel_funcs`); no
+    hooks."""
+    private = module.__dict__.get("_kernel_funcs") or {}
+    if (_attention_arguments(module) is None or not _unhooked(module)
+            or any("forward" in getattr(wrapper, "__dict__", {"forward": None}) for wrapper in private.values())):
         return False
-    names = getattr(type(module).forward, "__globals__", {})
+    names = getattr(_innermost(type(module).forward), "__globals__", {})
     return (_same_code(names.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
             and _same_code(names.get("rotate_half"), modeling_llama.rotate_half))
 
@@ -189,7 +244,7 @@ class FusedAttention(_StandIn):
 
     def __init__(self, own: nn.Module) -> None:
         super().__init__(own)
-        forward = type(own).forward
+        forward = _innermost(type(own).forward)
         self.__dict__.update(arguments=_attention_arguments(own) or (lambda own: {}),
                              eager=forward.__globals__.get("eager_attention_forward",
                                                            modeling_llama.eager_attention_forward))
@@ -198,14 +253,14 @@ class FusedAttention(_StandIn):
         return own is self.own and is_llama_attention(own)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         own, modules = self.own, self._modules
         input_shape, head_dim = hidden_states.shape[:-1], own.head_dim
-        if position_embeddings is None or past_key_values is not None or not all(
+        if position_embeddings is None or any(kwargs.get(name) is not None for name in _CACHE_KWARGS) or not all(
                 x.shape == (*input_shape, head_dim) and _runs_fused(x, hidden_states.dtype)
                 for x in position_embeddings) or head_dim % 2 or not _runs_fused(hidden_states, hidden_states.dtype):
-            return own(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return own(hidden_states, position_embeddings, attention_mask, **kwargs)
+        kwargs = {name: value for name, value in kwargs.items() if name not in _CACHE_KWARGS}
         cos, sin = position_embeddings
         shape = (*input_shape, -1, head_dim)
         queries, keys = _rotated(modules["q_proj"](hidden_states), modules["k_proj"](hidden_states),  # type: ignore[misc]

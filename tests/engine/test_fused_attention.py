@@ -91,17 +91,45 @@ def test_a_model_forward_through_fused_attention_is_unchanged(name: str) -> None
     assert torch.equal(got, want)
 
 
+def _with_globals(function: types.FunctionType, **names: object) -> types.FunctionType:
+    """A copy of `function` whose innermost function (through its `functools.wraps` levels: transformers 5.24's
+    `deprecate_kwarg` and `kernels`' wrappers around the forwards) reads `names` from its globals."""
+    inner = function.__dict__.get("__wrapped__")
+    if inner is None:
+        return types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                                  function.__defaults__, function.__closure__)
+    replaced = _with_globals(inner, **names)
+    closure = tuple(types.CellType(replaced if cell.cell_contents is inner else cell.cell_contents)
+                    for cell in function.__closure__ or ())
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              closure)
+    copy.__dict__.update(function.__dict__, __wrapped__=replaced)
+    return copy
+
+
 def test_other_rotary_functions_or_a_cache_keep_the_own_forward() -> None:
-    """A class with Llama's forward whose module rotates differently is not fused; a forward given a KV cache
-    (`generate`'s), no position embeddings, or run with grad takes the module's own."""
+    """A class with Llama's forward whose module rotates differently is not fused (a copy reading Llama's is), nor
+    one whose rotary function a hub kernel replaced (`kernels`' private wrapper with a forward of its own); a
+    forward given a KV cache (`generate`'s), no position embeddings, or run with grad takes the module's own."""
     model = fresh_tiny_model("llama", "cpu")
     attention = model.model.layers[0].self_attn
     assert is_llama_attention(attention)
-    forward = modeling_llama.LlamaAttention.forward
-    other = types.FunctionType(forward.__code__, {**forward.__globals__, "apply_rotary_pos_emb": lambda *a: a[:2]})
+    other = _with_globals(modeling_llama.LlamaAttention.forward, apply_rotary_pos_emb=lambda *a: a[:2])
     attention.__class__ = type("OtherAttention", (modeling_llama.LlamaAttention,), {"forward": other})
     assert not is_llama_attention(attention)
+    same = _with_globals(modeling_llama.LlamaAttention.forward)
+    attention.__class__ = type("SameAttention", (modeling_llama.LlamaAttention,), {"forward": same})
+    assert is_llama_attention(attention)
     attention.__class__ = modeling_llama.LlamaAttention
+    kernelized, own_wrappers = torch.nn.Module(), attention.__dict__.get("_kernel_funcs")
+    kernelized.forward = lambda *a: a[:2]  # type: ignore[method-assign]
+    attention.__dict__["_kernel_funcs"] = {"apply_rotary_pos_emb": kernelized}
+    assert not is_llama_attention(attention)
+    attention.__dict__["_kernel_funcs"] = {"apply_rotary_pos_emb": torch.nn.Module()}
+    assert is_llama_attention(attention)
+    attention.__dict__.pop("_kernel_funcs")
+    if own_wrappers is not None:
+        attention.__dict__["_kernel_funcs"] = own_wrappers
     fused, calls = FusedAttention(attention), []
     attention.register_forward_pre_hook(lambda *args: calls.append(1))
     hidden = torch.randn(1, 6, model.config.hidden_size)
