@@ -2,11 +2,13 @@
 
 contbatch runs a stock model and replaces only its attention function, so it is exact for a model whose every
 layer attends through transformers' `AttentionInterface` with nothing beyond what the paged attention implements.
-A model whose layers run their own attention code (GPT-J, Falcon, BLOOM) or keep a recurrent state
-(Mamba and hybrid layers) would attend without the cache and give wrong tokens silently; these checks turn that
-into an `UnsupportedModelError` naming what the model does:
+A model whose layers run their own attention code (BLOOM; GPT-J before transformers 5.24, Falcon before 5.25) or
+keep a recurrent state (Mamba and hybrid layers) would attend without the cache and give wrong tokens silently;
+these checks turn that into an `UnsupportedModelError` naming what the model does:
 - every layer of the cache must run the paged attention exactly once in the engine's first forward
   (`check_attended`, from the layers `PagedAttentionMetadata.attended` records);
+- a model must not ask for ALiBi, which Falcon adds to its attention mask (`check_position_bias`, before the
+  first forward);
 - a layer's keys must have the heads and head size its config gave the cache (`check_kv_shape`);
 - a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
   another form of attention sinks, a position bias, sparse attention's indices); gpt-oss's sinks (`s_aux`) it
@@ -109,6 +111,18 @@ def check_attended(model: torch.nn.Module, attended: Sequence[int], num_layers: 
         + f". contbatch runs models whose every layer attends through transformers' AttentionInterface; this "
         f"one's layers do not (their own attention code, or state-space layers{flag}), so its outputs would be "
         "wrong")
+
+
+def check_position_bias(model: torch.nn.Module) -> None:
+    """Raises `UnsupportedModelError` for a model whose config asks for ALiBi (Falcon's `alibi=True`): such a model
+    adds its position bias to the attention mask it builds, and inside contbatch's forwards the mask builders return
+    none (masking comes from the batch's metadata), so the bias would be lost."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if isinstance(config, PretrainedConfig) else None
+    if getattr(text, "alibi", False) is True:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config sets alibi=True, a position bias added to the attention mask, "
+            "which contbatch's paged attention does not implement")
 
 
 def _listed(layers: Sequence[int]) -> str:

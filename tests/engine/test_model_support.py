@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from contbatch import generate_batch
@@ -88,10 +90,27 @@ def test_layers_that_drop_the_forwards_keywords_attend_through_the_cache(compile
         assert results[str(index)] == reference_generate(model, prompt, 8), index
 
 
+TRANSFORMERS = Version(transformers.__version__)
+GPTJ = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8, initializer_range=0.1)
+CODEGEN = dict(GPTJ)
+FALCON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, initializer_range=0.1)
+# (model type, config, the transformers release from which its layers attend through AttentionInterface, or None)
+OWN_CODE_OR_INTERFACE = [
+    ("gptj", GPTJ, Version("5.24")),
+    ("codegen", CODEGEN, Version("5.24")),
+    ("bloom", dict(vocab_size=256, hidden_size=64, n_layer=2, n_head=4), None),
+    ("falcon", FALCON, Version("5.25")),
+]
+
+
+def _since(model_type: str) -> Version | None:
+    return next(since for name, _, since in OWN_CODE_OR_INTERFACE if name == model_type)
+
+
 @pytest.mark.parametrize(("model_type", "config"), [
-    ("gptj", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8)),
-    ("bloom", dict(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)),
-    ("falcon", dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)),
+    pytest.param(model_type, config, id=model_type, marks=pytest.mark.skipif(
+        since is not None and since <= TRANSFORMERS, reason=f"its layers attend through the interface from {since}"))
+    for model_type, config, since in OWN_CODE_OR_INTERFACE
 ])
 def test_a_model_with_its_own_attention_code_fails_its_requests_by_name(model_type: str,
                                                                        config: dict[str, object]) -> None:
@@ -100,6 +119,37 @@ def test_a_model_with_its_own_attention_code_fails_its_requests_by_name(model_ty
         assert isinstance(error, str)
         assert error.startswith(f"UnsupportedModelError: {type(model).__name__}: 0 of its 2 layers ran"), error
         assert "missing: layers 0, 1" in error and "is_backend_compatible() is False" in error
+
+
+@pytest.mark.parametrize(("model_type", "config"), [
+    pytest.param("gptj", GPTJ, id="gptj"),
+    pytest.param("codegen", CODEGEN, id="codegen"),
+    pytest.param("falcon", FALCON, id="falcon-multi-query-parallel"),
+    pytest.param("falcon", dict(FALCON, new_decoder_architecture=True, num_kv_heads=2), id="falcon-new-architecture"),
+    pytest.param("falcon", dict(FALCON, multi_query=False, parallel_attn=False), id="falcon-multi-head-sequential"),
+])
+def test_gptj_codegen_and_falcon_match_generate_where_they_attend_through_the_interface(
+        model_type: str, config: dict[str, object]) -> None:
+    """GPT-J's and CodeGen's layers attend through AttentionInterface from transformers 5.24 on, Falcon's (all three
+    layouts of its fused query/key/value projection) from 5.25 on; before, the test above fails them by name."""
+    since = _since(model_type)
+    if since is not None and since > TRANSFORMERS:
+        pytest.skip(f"transformers {TRANSFORMERS}: its layers run their own attention code until {since}")
+    model = _model(model_type, **config)
+    results = _run(model)
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
+
+
+def test_falcon_with_alibi_fails_its_requests_by_name() -> None:
+    """ALiBi Falcon adds its position bias to the attention mask: refused by name before any forward, on every
+    transformers release (before 5.25 its layers' own attention code would be refused anyway)."""
+    model = _model("falcon", **dict(FALCON, alibi=True))
+    for error in _run(model).values():
+        assert isinstance(error, str)
+        assert error.startswith("UnsupportedModelError: FalconForCausalLM: its config sets alibi=True"), error
 
 
 def test_state_space_layers_fail_their_requests() -> None:
@@ -166,8 +216,8 @@ def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
 def test_generate_batch_raises_for_an_unsupported_model() -> None:
     """Every output would fail alike, so the call raises as the first arrives; the manager it kept has stopped
     with its pool whole."""
-    model = _model("gptj", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8)
-    with pytest.raises(UnsupportedModelError, match=r"^GPTJForCausalLM: 0 of its 2 layers ran"):
+    model = _model("bloom", vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
+    with pytest.raises(UnsupportedModelError, match=r"^BloomForCausalLM: 0 of its 2 layers ran"):
         generate_batch(model, random_prompts([4, 9, 6]), GenerationConfig(max_new_tokens=3, do_sample=False),
                        progress_bar=False, persistent_manager=True)
     manager = model._contbatch_manager

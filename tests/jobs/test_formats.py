@@ -12,7 +12,7 @@ import pytest
 import torch
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
-from transformers import GPTJConfig, GPTJForCausalLM
+from transformers import BloomConfig, BloomForCausalLM
 
 from contbatch import UnsupportedModelError
 from contbatch.jobs import JobSettings
@@ -93,9 +93,9 @@ def test_a_model_contbatch_cannot_run_ends_the_job_without_writing_its_lines(tin
     """The model's error is not a line's: the job raises it, and no line claims those ids as done."""
     _, tokenizer = tiny
     torch.manual_seed(0)
-    gptj = GPTJForCausalLM(GPTJConfig(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
-                                      rotary_dim=8, bos_token_id=0, eos_token_id=0)).eval()
-    with pytest.raises(UnsupportedModelError, match=r"^GPTJForCausalLM: 0 of its 2 layers ran"):
-        job((gptj, tokenizer), write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl",
-            JobSettings(model="gptj", max_new_tokens=4, id_field="key"))
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=2,
+                                         bos_token_id=0, eos_token_id=0)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"^BloomForCausalLM: 0 of its 2 layers ran"):
+        job((bloom, tokenizer), write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl",
+            JobSettings(model="bloom", max_new_tokens=4, id_field="key"))
     assert read_jsonl(tmp_path / "out.jsonl") == []

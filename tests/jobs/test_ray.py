@@ -86,20 +86,20 @@ def test_map_batches_with_an_actor_pool(local_ray: None, tiny, tiny_dir: Path, t
 
 def test_a_model_contbatch_cannot_run_ends_the_ray_job_by_name(local_ray: None, tmp_path: Path) -> None:
     """A replica's `UnsupportedModelError` reaches the driver as itself, and no line is written."""
-    from transformers import AutoTokenizer, GPTJConfig, GPTJForCausalLM
+    from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
 
     from contbatch import UnsupportedModelError
     from contbatch.data.embedded import embedded_model_dir
     from contbatch.integrations.ray import RayJobOptions, run_ray_job
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    GPTJForCausalLM(GPTJConfig(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
-                               rotary_dim=8, bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "gptj")
-    tokenizer.save_pretrained(tmp_path / "gptj")
+    BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=2, bos_token_id=0,
+                                 eos_token_id=0)).save_pretrained(tmp_path / "bloom")
+    tokenizer.save_pretrained(tmp_path / "bloom")
     source = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:6])
-    settings = JobSettings(model="gptj", max_new_tokens=4)
+    settings = JobSettings(model="bloom", max_new_tokens=4)
     options = RayJobOptions(replicas=1, num_cpus=0.5, threads=1, batch_size=3)
-    with pytest.raises(UnsupportedModelError, match=r"^GPTJForCausalLM: 0 of its 2 layers ran"):
-        run_ray_job(str(tmp_path / "gptj"), JobInput(source), str(tmp_path / "out.jsonl"), settings, ENGINE, options,
+    with pytest.raises(UnsupportedModelError, match=r"^BloomForCausalLM: 0 of its 2 layers ran"):
+        run_ray_job(str(tmp_path / "bloom"), JobInput(source), str(tmp_path / "out.jsonl"), settings, ENGINE, options,
                     progress=False)
     assert read_jsonl(tmp_path / "out.jsonl") == []

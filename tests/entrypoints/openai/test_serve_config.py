@@ -14,9 +14,9 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import (
     AutoTokenizer,
+    BloomConfig,
+    BloomForCausalLM,
     GenerationConfig,
-    GPTJConfig,
-    GPTJForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -127,24 +127,23 @@ def test_the_warm_up_compiles_every_graph_the_server_then_meets() -> None:
     assert manager.engine.block_pool.is_whole
 
 
-def _gptj(vocab_size: int) -> PreTrainedModel:
-    """A tiny GPT-J: its layers run their own attention code, which contbatch cannot compute exactly."""
+def _bloom(vocab_size: int) -> PreTrainedModel:
+    """A tiny BLOOM: its layers run their own attention code, which contbatch cannot compute exactly."""
     torch.manual_seed(0)
-    config = GPTJConfig(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=256, rotary_dim=8,
-                        bos_token_id=0, eos_token_id=0)
-    return GPTJForCausalLM(config).eval()
+    config = BloomConfig(vocab_size=vocab_size, hidden_size=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    return BloomForCausalLM(config).eval()
 
 
 def test_a_failed_warm_up_request_names_its_error() -> None:
     """Eager (no compile) too: the warm-up runs whatever the config, and a model contbatch cannot run fails it."""
-    with pytest.raises(WarmUpFailed, match=r"a warm-up request failed: UnsupportedModelError: GPTJForCausalLM: "
+    with pytest.raises(WarmUpFailed, match=r"a warm-up request failed: UnsupportedModelError: BloomForCausalLM: "
                                            r"0 of its 2 layers ran contbatch's paged attention"):
-        warm_up_before_serving(_gptj(320), _Tokenizer(), ContinuousBatchingConfig())
+        warm_up_before_serving(_bloom(320), _Tokenizer(), ContinuousBatchingConfig())
 
 
 def test_serve_exits_instead_of_listening_for_a_model_it_cannot_run(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    _gptj(len(tokenizer)).save_pretrained(tmp_path)
+    _bloom(len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -152,7 +151,7 @@ def test_serve_exits_instead_of_listening_for_a_model_it_cannot_run(tmp_path: Pa
     done = subprocess.run([sys.executable, "-m", "contbatch.cli", "serve", "--model", str(tmp_path), "--no-compile",
                            "--port", str(port)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 2
-    assert ("contbatch serve: error: a warm-up request failed: UnsupportedModelError: GPTJForCausalLM: 0 of its 2 "
+    assert ("contbatch serve: error: a warm-up request failed: UnsupportedModelError: BloomForCausalLM: 0 of its 2 "
             "layers") in done.stderr
     assert "Uvicorn running" not in done.stderr
 
