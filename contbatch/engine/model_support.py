@@ -2,9 +2,9 @@
 
 contbatch runs a stock model and replaces only its attention function, so it is exact for a model whose every
 layer attends through transformers' `AttentionInterface` with nothing beyond what the paged attention implements.
-A model whose layers run their own attention code (BLOOM; GPT-J before transformers 5.24, Falcon before 5.25) or
-keep a recurrent state (Mamba and hybrid layers) would attend without the cache and give wrong tokens silently;
-these checks turn that into an `UnsupportedModelError` naming what the model does:
+A model whose layers run their own attention code (BLOOM; GPT-J and CodeGen before transformers 5.24, Falcon
+before 5.25) or keep a recurrent state (Mamba and hybrid layers) would attend without the cache and give wrong
+tokens silently; these checks turn that into an `UnsupportedModelError` naming what the model does:
 - every layer of the cache must run the paged attention exactly once in the engine's first forward
   (`check_attended`, from the layers `PagedAttentionMetadata.attended` records);
 - a model must not ask for ALiBi, which Falcon adds to its attention mask (`check_position_bias`, before the
