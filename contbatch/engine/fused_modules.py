@@ -27,6 +27,7 @@ the weight's, runs the model's own module; so does an attention forward given a 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -106,13 +107,6 @@ def _function_of(value: object) -> object:
     return functions[0] if len(functions) == 1 else value
 
 
-def _innermost(function: Any) -> Any:
-    """The function `function` wraps, through every `functools.wraps` level."""
-    while isinstance(function, types.FunctionType) and "__wrapped__" in function.__dict__:
-        function = function.__dict__["__wrapped__"]
-    return function
-
-
 def _unhooked(module: nn.Module) -> bool:
     """No hooks, and no `forward` of the instance's own (accelerate's device hooks replace it that way)."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
@@ -159,7 +153,7 @@ def is_llama_attention(module: nn.Module) -> bool:
     if (_attention_arguments(module) is None or not _unhooked(module)
             or any("forward" in getattr(wrapper, "__dict__", {"forward": None}) for wrapper in private.values())):
         return False
-    names = getattr(_innermost(type(module).forward), "__globals__", {})
+    names = getattr(inspect.unwrap(type(module).forward), "__globals__", {})
     return (_same_code(names.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
             and _same_code(names.get("rotate_half"), modeling_llama.rotate_half))
 
@@ -244,7 +238,7 @@ class FusedAttention(_StandIn):
 
     def __init__(self, own: nn.Module) -> None:
         super().__init__(own)
-        forward = _innermost(type(own).forward)
+        forward = inspect.unwrap(type(own).forward)
         self.__dict__.update(arguments=_attention_arguments(own) or (lambda own: {}),
                              eager=forward.__globals__.get("eager_attention_forward",
                                                            modeling_llama.eager_attention_forward))

@@ -92,7 +92,7 @@ def test_layers_that_drop_the_forwards_keywords_attend_through_the_cache(compile
 
 TRANSFORMERS = Version(transformers.__version__)
 GPTJ = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8, initializer_range=0.1)
-CODEGEN = dict(GPTJ)
+CODEGEN = GPTJ  # CodeGen's config takes GPT-J's fields
 FALCON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, initializer_range=0.1)
 # (model type, config, the transformers release from which its layers attend through AttentionInterface, or None)
 OWN_CODE_OR_INTERFACE = [
