@@ -11,8 +11,8 @@ tokens silently; these checks turn that into an `UnsupportedModelError` naming w
   first forward);
 - a layer's keys must have the heads and head size its config gave the cache (`check_kv_shape`);
 - a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
-  another form of attention sinks, a position bias, sparse attention's indices); gpt-oss's sinks (`s_aux`) it
-  implements (`attention_sinks`).
+  another form of attention sinks, a position bias, sparse attention's indices), nor attend bidirectionally
+  (`is_causal` False, as an encoder's layers do); gpt-oss's sinks (`s_aux`) it implements (`attention_sinks`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,17 @@ def chunked_attention_limit(config: PretrainedConfig) -> int | None:
 
 
 def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
-    """Raises `UnsupportedModelError` if the attention function's keywords hold an input it does not implement."""
+    """Raises `UnsupportedModelError` if the attention function's keywords hold an input it does not implement,
+    or if the layer attends bidirectionally: its `is_causal` keyword, else its module's `is_causal` attribute, is
+    False (transformers' own attention functions read them in that order), as an encoder's layers do (BERT and
+    its kin unless their config says `is_decoder=True`)."""
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    if causal is False:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} attends bidirectionally (is_causal=False), and contbatch's paged attention "
+            f"is causal only (an encoder-style model: for BERT and its kin, set is_decoder=True in the config)")
     for name in UNSUPPORTED_ATTENTION_KWARGS.keys() & kwargs.keys():
         if kwargs[name] is not None:
             raise UnsupportedModelError(

@@ -204,6 +204,40 @@ def test_attention_inputs_it_does_not_implement_are_refused_by_name() -> None:
     assert attention_sinks(module, {"s_aux": torch.zeros(4, dtype=torch.bfloat16)}, 4).dtype == torch.float32
 
 
+BERT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=1024, initializer_range=0.2)
+
+
+@pytest.mark.parametrize(("model_type", "name"), [("bert", "BertSelfAttention"), ("electra", "ElectraSelfAttention")])
+def test_an_encoders_bidirectional_attention_is_refused_by_name_and_its_decoder_form_matches_generate(
+        model_type: str, name: str) -> None:
+    """BERT's layers attend bidirectionally unless the config says `is_decoder=True` (`is_causal` False on the
+    module); run causally they gave other tokens than `generate`, silently."""
+    encoder = _model(model_type, **BERT)
+    for error in _run(encoder).values():
+        assert isinstance(error, str) and error.startswith(
+            f"UnsupportedModelError: {name} attends bidirectionally (is_causal=False), and contbatch's paged "
+            "attention is causal only"), error
+    decoder = _model(model_type, is_decoder=True, **BERT)
+    references = [reference_generate(decoder, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 5, "a degenerate model proves nothing"
+    results = _run(decoder)
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
+
+
+def test_a_causal_keyword_overrides_the_modules_attribute() -> None:
+    module = torch.nn.Module()
+    module.is_causal = False
+    check_attention_kwargs(module, {"is_causal": True})
+    with pytest.raises(UnsupportedModelError, match=r"^Module attends bidirectionally \(is_causal=False\)"):
+        check_attention_kwargs(module, {})
+    del module.is_causal
+    check_attention_kwargs(module, {})
+    with pytest.raises(UnsupportedModelError, match="bidirectionally"):
+        check_attention_kwargs(module, {"is_causal": False})
+
+
 def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
     """GPT-NeoX has no grouped-query attention; a stray num_key_value_heads in its config would size the cache for
     2 heads where the layers compute 4."""
