@@ -38,6 +38,7 @@ from contbatch.engine.model_support import (
     attention_sinks,
     check_attention_kwargs,
     check_kv_shape,
+    check_window,
 )
 from contbatch.engine.shared_prefix import SHARED_PREFIX_KWARG, SUPPORTED_ATTENTION, shared_prefix_attention
 from contbatch.engine.triton_attention import KERNEL_ENV
@@ -202,12 +203,8 @@ def paged_attention_for_layer(
     """Writes `layer`'s new K/V into the cache, then attends every group of the batch over its context; returns
     [1, tokens, heads, head_dim]. `sinks` ([heads] float32): each head's sink logit (`attention_math`)."""
     cache_group = metadata.cache.layer_group[layer]
-    kept = metadata.cache.groups[cache_group].sliding_window
-    if kept is not None and (sliding_window is None or sliding_window > kept):
-        # the cache dropped keys this layer would see: never attend over a silently shortened context
-        raise RuntimeError(f"layer {layer} attends with window {sliding_window}, but its cache group keeps only "
-                           f"the last {kept} positions: the model config's layer_types/sliding_window disagree")
-    check_kv_shape(layer, key, metadata.cache.spec)
+    check_window(layer, sliding_window, metadata.cache.groups[cache_group].sliding_window)
+    check_kv_shape(layer, key, value, metadata.cache.spec)
     metadata.attended.append(layer)
     queries = query[0].transpose(0, 1)
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])

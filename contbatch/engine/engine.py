@@ -18,7 +18,6 @@ from contbatch.engine.config import ContinuousBatchingConfig
 from contbatch.engine.cuda_graphs import resolve_graph_settings
 from contbatch.engine.generation_config import as_ids, check_supported, resolve_generation_config
 from contbatch.engine.kv_cache import (
-    KVCacheSpec,
     PagedKVCache,
     available_memory_bytes,
     kv_cache_groups,
@@ -27,7 +26,7 @@ from contbatch.engine.kv_cache import (
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.model_runner import ModelRunner
-from contbatch.engine.model_support import chunked_attention_limit
+from contbatch.engine.model_support import cache_spec, chunked_attention_limit
 from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.packed_weights import pending_packed_bytes
 from contbatch.engine.request import Request
@@ -73,7 +72,7 @@ class LLMEngine:
         self.generation_config = resolve_generation_config(generation_config, model.generation_config)
         check_supported(self.generation_config)
         device = next(model.parameters()).device
-        spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype)
+        spec = cache_spec(model, next(model.parameters()).dtype)
         groups = kv_cache_groups(model.config)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(

@@ -36,7 +36,7 @@ from contbatch.engine.head_buffer import reusing_logits
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
-from contbatch.engine.model_support import check_attended, check_position_bias
+from contbatch.engine.model_support import check_attended, check_config
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.packed_weights import packed_forward, weights_changed
 from contbatch.engine.prompt_logprobs import prompt_logprobs, prompt_rows
@@ -158,13 +158,13 @@ class ModelRunner:
         them itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`), and in the
         engine's steps (`screen_allowed`) may leave large logits in the thread's reused buffer (`reusing_logits`).
         Until one forward has shown every layer attending through contbatch (`check_attended`), each raises
-        `UnsupportedModelError` when some layer did not, or, before it runs, when the model asks for ALiBi
-        (`check_position_bias`)."""
+        `UnsupportedModelError` when some layer did not, or, before it runs, when the model's config asks for what
+        the paged attention cannot reproduce (`check_config`: ALiBi, layers that keep a recurrent state)."""
         compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
         frozen = compiled is not None and compiled.freezes_weights
         fused = compiled is None and self.device.type == "cpu"
         if not self.attention_checked:
-            check_position_bias(self.model)
+            check_config(self.model)
         metadata.attended.clear()
         published = metadata if compiled is None else COMPILED_MARKER
         with (paged_forward(published), nullcontext() if frozen else packed_forward(self.model),

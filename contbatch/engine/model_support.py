@@ -7,9 +7,12 @@ before 5.25) or keep a recurrent state (Mamba and hybrid layers) would attend wi
 tokens silently; these checks turn that into an `UnsupportedModelError` naming what the model does:
 - every layer of the cache must run the paged attention exactly once in the engine's first forward
   (`check_attended`, from the layers `PagedAttentionMetadata.attended` records);
-- a model must not ask for ALiBi, which Falcon adds to its attention mask (`check_position_bias`, before the
-  first forward);
-- a layer's keys must have the heads and head size its config gave the cache (`check_kv_shape`);
+- a model's config must not ask for ALiBi, which Falcon adds to its attention mask, nor for layers that keep a
+  recurrent state (Mamba, short convolutions, linear attention; Falcon-H1's hybrid layers) (`check_config`,
+  before the first forward);
+- a layer's keys and values must have the heads and head size its config gave the cache (`check_kv_shape`), and
+  a layer must not attend over more positions than its cache group keeps (`check_window`);
+- a config must give attention heads (`cache_spec`: Mamba and RWKV have none), checked when the engine is built;
 - a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
   another form of attention sinks, a position bias, sparse attention's indices), nor attend bidirectionally
   (`is_causal` False, as an encoder's layers do); gpt-oss's sinks (`s_aux`) it implements (`attention_sinks`).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -92,13 +95,28 @@ def attention_sinks(module: torch.nn.Module, kwargs: Mapping[str, Any], num_head
     return sinks.detach().float().contiguous()
 
 
-def check_kv_shape(layer: int, key: torch.Tensor, spec: KVCacheSpec) -> None:
-    """Raises `UnsupportedModelError` if `key` [1, kv_heads, tokens, head_dim] does not fit the cache's `spec`."""
+def check_kv_shape(layer: int, key: torch.Tensor, value: torch.Tensor, spec: KVCacheSpec) -> None:
+    """Raises `UnsupportedModelError` if `key` or `value` [1, kv_heads, tokens, head_dim] does not fit the cache's
+    `spec` (one head size for keys and values)."""
     heads, head_dim = key.shape[1], key.shape[-1]
     if heads != spec.num_kv_heads or head_dim != spec.head_dim:
         raise UnsupportedModelError(
             f"layer {layer} computes {heads} key/value heads of size {head_dim}, but the KV cache was sized from "
             f"the model's config for {spec.num_kv_heads} of size {spec.head_dim} (num_key_value_heads, head_dim)")
+    if value.shape[1] != heads or value.shape[-1] != head_dim:
+        raise UnsupportedModelError(
+            f"layer {layer} computes values of {value.shape[1]} heads of size {value.shape[-1]} beside keys of "
+            f"{heads} of size {head_dim}; contbatch's paged KV cache holds keys and values of one shape")
+
+
+def check_window(layer: int, sliding_window: int | None, kept: int | None) -> None:
+    """Raises `UnsupportedModelError` if `layer` attends with `sliding_window` (None: all positions) while its cache
+    group keeps only the last `kept` positions: the cache dropped keys the layer would see."""
+    if kept is not None and (sliding_window is None or sliding_window > kept):
+        raise UnsupportedModelError(
+            f"layer {layer} attends with window {sliding_window}, but its cache group keeps only the last {kept} "
+            "positions: the model config's layer_types/sliding_window disagree with what the layer passes to its "
+            "attention function")
 
 
 def check_attended(model: torch.nn.Module, attended: Sequence[int], num_layers: int) -> None:
@@ -123,16 +141,61 @@ def check_attended(model: torch.nn.Module, attended: Sequence[int], num_layers: 
         "wrong")
 
 
-def check_position_bias(model: torch.nn.Module) -> None:
-    """Raises `UnsupportedModelError` for a model whose config asks for ALiBi (Falcon's `alibi=True`): such a model
-    adds its position bias to the attention mask it builds, and inside contbatch's forwards the mask builders return
-    none (masking comes from the batch's metadata), so the bias would be lost."""
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""The layer types (a config's `layer_types`) contbatch's paged attention computes."""
+RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
+"""transformers' cache layer types that hold a recurrent state (a convolution's or a state-space / linear
+attention's) beside or instead of keys and values."""
+
+
+def check_config(model: torch.nn.Module) -> None:
+    """Raises `UnsupportedModelError`, before any forward, for a model whose config asks for what contbatch's paged
+    attention cannot reproduce:
+    - ALiBi (Falcon's `alibi=True`): such a model adds its position bias to the attention mask it builds, and
+      inside contbatch's forwards the mask builders return none (masking comes from the batch's metadata);
+    - layers that keep a recurrent state (`layer_types` in `RECURRENT_LAYER_TYPES`: Mamba, short convolutions,
+      linear attention), which a KV cache cannot hold. Falcon-H1's "hybrid" layers run such a mixer beside their
+      attention, so every layer still attends through contbatch and `check_attended` would pass them;
+    - any other layer type but `ATTENTION_LAYER_TYPES` (sparse attention over indexed keys, compressed keys, layers
+      without attention)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if isinstance(config, PretrainedConfig) else None
+    name = type(model).__name__
     if getattr(text, "alibi", False) is True:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: its config sets alibi=True, a position bias added to the attention mask, "
-            "which contbatch's paged attention does not implement")
+            f"{name}: its config sets alibi=True, a position bias added to the attention mask, which contbatch's "
+            "paged attention does not implement")
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    recurrent = [index for index, kind in enumerate(layer_types) if kind in RECURRENT_LAYER_TYPES]
+    if recurrent:
+        raise UnsupportedModelError(_layer_types_error(
+            name, layer_types, recurrent, ("keeps", "keep"),
+            "a recurrent state (a state-space, linear-attention or convolution mixer), which contbatch's paged KV "
+            "cache cannot hold"))
+    other = [index for index, kind in enumerate(layer_types) if kind not in ATTENTION_LAYER_TYPES]
+    if other:
+        raise UnsupportedModelError(_layer_types_error(
+            name, layer_types, other, ("asks for", "ask for"),
+            f"an attention contbatch's paged attention does not implement (it computes "
+            f"{', '.join(ATTENTION_LAYER_TYPES)})"))
+
+
+def _layer_types_error(name: str, layer_types: list[str], layers: list[int], verbs: tuple[str, str],
+                       what: str) -> str:
+    kinds = ", ".join(sorted({layer_types[index] for index in layers}))
+    return f"{name}: {_listed(layers)} of its config's layer_types ({kinds}) {verbs[len(layers) > 1]} {what}"
+
+
+def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
+    """`KVCacheSpec.from_model_config` of `model`'s config; raises `UnsupportedModelError` for a config without
+    attention heads (`num_attention_heads`: a state-space model such as Mamba or RWKV, whose layers keep a
+    recurrent state instead of keys and values)."""
+    config = cast(PretrainedConfig, model.config)
+    if getattr(config.get_text_config(), "num_attention_heads", None) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config has no attention heads (num_attention_heads); contbatch runs models "
+            "that attend, and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
+    return KVCacheSpec.from_model_config(config, dtype)
 
 
 def _listed(layers: Sequence[int]) -> str:

@@ -1,7 +1,8 @@
 """Models beyond the parity suite's families: a model whose layers drop the forward's keywords still attends
 through the cache (greedy equals `generate`, eager and compiled), gpt-oss's attention sinks are computed (every
-attention path); a model contbatch cannot compute exactly (its own attention code, state-space layers, attention
-inputs it does not implement, a config that misstates its KV heads) fails each request with an
+attention path); a model contbatch cannot compute exactly (its own attention code, state-space layers, sparse or
+compressed attention, bidirectional attention, attention inputs it does not implement, a config that misstates its
+KV heads, values of another size than the keys) fails each request with an
 `UnsupportedModelError` naming what it does, never with wrong tokens, and leaves the pool whole."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from contbatch import generate_batch
 from contbatch.engine import attention, triton_attention
@@ -152,13 +154,84 @@ def test_falcon_with_alibi_fails_its_requests_by_name() -> None:
         assert error.startswith("UnsupportedModelError: FalconForCausalLM: its config sets alibi=True"), error
 
 
-def test_state_space_layers_fail_their_requests() -> None:
-    """Jamba's first layer is a Mamba layer, whose state a KV cache cannot hold."""
-    model = _model("jamba", **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                   expert_layer_offset=1, num_experts=2, use_mamba_kernels=False, mamba_d_state=4, mamba_d_conv=2)
+RECURRENT = {
+    "jamba": (dict(SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=2, mamba_d_state=4, mamba_d_conv=2), "layer 0", "linear_attention", "keeps"),
+    "falcon_h1": (dict(SMALL, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=16),
+                  "layers 0, 1", "hybrid", "keep"),
+    "lfm2": (dict(SMALL, layer_types=["conv", "full_attention"]), "layer 0", "conv", "keeps"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(RECURRENT))
+def test_layers_that_keep_a_recurrent_state_fail_their_requests_by_name(model_type: str) -> None:
+    """Jamba's first layer is a Mamba layer and LFM2's a short convolution, whose states a KV cache cannot hold.
+    Falcon-H1 runs a Mamba mixer beside the attention of every layer, so every layer attends through contbatch:
+    its requests gave other tokens than `generate`, silently, until the config's layer types were checked."""
+    config, layers, kind, keeps = RECURRENT[model_type]
+    model = _model(model_type, **config)
     for error in _run(model).values():
-        assert isinstance(error, str) and "JambaForCausalLM: 1 of its 2 layers ran" in error, error
-        assert "(missing: layer 0)" in error
+        assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
+                         f"({kind}) {keeps} a recurrent state (a state-space, linear-attention or convolution "
+                         "mixer), which contbatch's paged KV cache cannot hold"), error
+
+
+ATTENTION_CONFIG = dict(SMALL, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+@pytest.mark.parametrize(("model_type", "layers", "kinds", "verb"), [
+    ("deepseek_v4", "layers 0, 1", "heavily_compressed_attention", "ask for"),
+    ("hy_v4", "layers 0, 1", "indexed_attention", "ask for"),
+])
+def test_sparse_or_compressed_attention_layers_fail_their_requests_by_name(model_type: str, layers: str, kinds: str,
+                                                                          verb: str) -> None:
+    """DeepSeek-V4 attends over compressed keys beside its window, which contbatch computed as the window alone;
+    HY-V4's indexer reads the attention mask contbatch leaves out (its requests failed with a TypeError). Any
+    layer type but full, sliding and chunked attention is refused by the config."""
+    _needs(model_type)
+    model = _model(model_type, **ATTENTION_CONFIG)
+    for error in _run(model).values():
+        assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
+                         f"({kinds}) {verb} an attention contbatch's paged attention does not implement (it computes "
+                         "full_attention, sliding_attention, chunked_attention)"), error
+
+
+@pytest.mark.parametrize(("model_type", "config"), [
+    ("mamba", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8)),
+    ("rwkv", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                  intermediate_size=128)),
+])
+def test_a_model_without_attention_heads_is_refused_when_the_engine_is_built(model_type: str,
+                                                                             config: dict[str, object]) -> None:
+    """Before, sizing the KV cache raised an AttributeError about the config."""
+    model = _model(model_type, **config)
+    with pytest.raises(UnsupportedModelError, match=rf"^{type(model).__name__}: its config has no attention heads "
+                                                    r"\(num_attention_heads\); contbatch runs models that attend"):
+        make_engine(model, num_blocks=16)
+
+
+def test_values_of_another_head_size_than_the_keys_fail_their_requests_by_name() -> None:
+    """MiMo-V2-Flash's values have 128 dimensions and its keys 192; the cache's write failed on the shapes."""
+    _needs("mimo_v2_flash")
+    model = _model("mimo_v2_flash", **dict(ATTENTION_CONFIG, head_dim=24, v_head_dim=16))
+    for error in _run(model).values():
+        assert error == ("UnsupportedModelError: layer 0 computes values of 2 heads of size 16 beside keys of 2 of "
+                         "size 24; contbatch's paged KV cache holds keys and values of one shape"), error
+
+
+def test_a_window_the_layer_does_not_pass_fails_its_requests_by_name() -> None:
+    """Moshi's config has a sliding window its layers do not pass to their attention function: the cache would
+    keep fewer positions than they attend over."""
+    model = _model("moshi", **dict(ATTENTION_CONFIG, sliding_window=16))
+    for error in _run(model).values():
+        assert error == ("UnsupportedModelError: layer 0 attends with window None, but its cache group keeps only the "
+                         "last 16 positions: the model config's layer_types/sliding_window disagree with what the "
+                         "layer passes to its attention function"), error
+
+
+def _needs(model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
 GPT_OSS = dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
