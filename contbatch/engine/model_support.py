@@ -6,7 +6,8 @@ A model whose layers run their own attention code (BLOOM; GPT-J and CodeGen befo
 before 5.25) or keep a recurrent state (Mamba and hybrid layers) would attend without the cache and give wrong
 tokens silently; these checks turn that into an `UnsupportedModelError` naming what the model does:
 - every layer of the cache must run the paged attention exactly once in the engine's first forward
-  (`check_attended`, from the layers `PagedAttentionMetadata.attended` records);
+  (`check_attended`, from the layers `PagedAttentionMetadata.attended` records), and then the model's decoder must
+  take the tokens' positions (`check_positions`: BART's numbers them itself);
 - a model's config must not ask for ALiBi, which Falcon adds to its attention mask, nor for layers that keep a
   recurrent state (Mamba, short convolutions, linear attention; Falcon-H1's hybrid layers) (`check_config`,
   before the first forward);
@@ -20,12 +21,13 @@ tokens silently; these checks turn that into an `UnsupportedModelError` naming w
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from contbatch.engine.kv_cache import KVCacheSpec
 
@@ -178,6 +180,19 @@ def check_config(model: torch.nn.Module) -> None:
             name, layer_types, other, ("asks for", "ask for"),
             f"an attention contbatch's paged attention does not implement (it computes "
             f"{', '.join(ATTENTION_LAYER_TYPES)})"))
+
+
+def check_positions(model: torch.nn.Module) -> None:
+    """Raises `UnsupportedModelError` for a model whose decoder (`get_decoder()`) takes no `position_ids`: it
+    numbers a forward's tokens itself, from its cache's length (BART and its kin's decoders), where contbatch's
+    steps pack many requests' tokens, each at its own position. Run after `check_attended`, which names a model
+    with its own attention code first (BLOOM, whose ALiBi needs no position ids either)."""
+    decoder = model.get_decoder() if isinstance(model, PreTrainedModel) else None
+    if isinstance(decoder, PreTrainedModel) and "position_ids" not in inspect.signature(decoder.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its decoder ({type(decoder).__name__}) takes no position_ids and numbers its "
+            "tokens itself, from its cache's length; contbatch's steps pack many requests' tokens, each at its own "
+            "position")
 
 
 def _layer_types_error(name: str, layer_types: list[str], layers: list[int], verbs: tuple[str, str],

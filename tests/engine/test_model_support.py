@@ -49,6 +49,13 @@ MORE_FAMILIES: dict[str, dict[str, object]] = {
                       shared_expert_intermediate_size=64),
     "qwen3_moe": dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
     "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
+    **{name: dict(SMALL, head_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=2) for name in (
+        "glm4", "ernie4_5", "exaone4", "hunyuan_v1_dense", "seed_oss", "apertus", "ministral", "olmo3", "cohere2")},
+    "granitemoe": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "phimoe": dict(SMALL, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0),
+    "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                        pad_token_id=0),
+    "gpt_bigcode": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=0.2),
 }
 
 
@@ -227,6 +234,21 @@ def test_a_window_the_layer_does_not_pass_fails_its_requests_by_name() -> None:
         assert error == ("UnsupportedModelError: layer 0 attends with window None, but its cache group keeps only the "
                          "last 16 positions: the model config's layer_types/sliding_window disagree with what the "
                          "layer passes to its attention function"), error
+
+
+@pytest.mark.parametrize(("model_type", "decoder"), [("bart", "BartDecoder"), ("pegasus", "PegasusDecoder")])
+def test_a_decoder_that_numbers_its_tokens_itself_fails_its_requests_by_name(model_type: str, decoder: str) -> None:
+    """BART's decoder takes no position ids: it numbers a forward's tokens from its cache's length, so in
+    contbatch's packed steps every token got a position from 0 and the tokens differed from `generate`'s."""
+    model = _model(model_type, vocab_size=256, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                   encoder_attention_heads=4, encoder_layers=2, decoder_ffn_dim=128, max_position_embeddings=1024,
+                   init_std=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2, decoder_start_token_id=0,
+                   forced_eos_token_id=None)
+    model.generation_config.forced_eos_token_id = None
+    for error in _run(model).values():
+        assert error == (f"UnsupportedModelError: {type(model).__name__}: its decoder ({decoder}) takes no "
+                         "position_ids and numbers its tokens itself, from its cache's length; contbatch's steps "
+                         "pack many requests' tokens, each at its own position"), error
 
 
 def _needs(model_type: str) -> None:
