@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
@@ -24,7 +25,7 @@ from transformers import (
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
 from contbatch.frontend.output_processor import OutputCollector
-from contbatch.outputs import GenerationOutput
+from contbatch.outputs import GenerationOutput, RequestStatus
 from tests.conftest import TINY_FAMILIES
 
 VOCAB = 256
@@ -107,6 +108,32 @@ def run_engine(engine: LLMEngine) -> dict[str, GenerationOutput]:
 def make_engine(model: PreTrainedModel, **config: object) -> LLMEngine:
     generation_config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
     return LLMEngine(model, generation_config, ContinuousBatchingConfig(**config))  # type: ignore[arg-type]
+
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=1024, initializer_range=0.1, num_hidden_layers=2)
+"""A small config of most families' field names (`model_of_type`)."""
+PROMPT_LENGTHS = [5, 17, 33, 3]
+
+
+def model_of_type(model_type: str, **config: object) -> PreTrainedModel:
+    """A randomly initialised `model_type` model of `config` (seeded), its generation config without EOS."""
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def run_prompts(model: PreTrainedModel, **engine_config: object) -> dict[str, list[int] | str]:
+    """Runs `PROMPT_LENGTHS`' random prompts (8 new tokens each) on an engine of `model`: each prompt's generated
+    tokens, or its error when it failed; asserts the pool is whole afterwards (`run_engine`)."""
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    with make_engine(model, block_size=4, max_batch_tokens=24, **engine_config) as engine:
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, str(index), max_new_tokens=8)
+        outputs = run_engine(engine)
+    return {key: output.error or "" if output.status == RequestStatus.FAILED else output.generated_tokens
+            for key, output in outputs.items()}
 
 
 def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:

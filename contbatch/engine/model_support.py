@@ -202,15 +202,33 @@ def _layer_types_error(name: str, layer_types: list[str], layers: list[int], ver
 
 
 def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
-    """`KVCacheSpec.from_model_config` of `model`'s config; raises `UnsupportedModelError` for a config without
+    """`KVCacheSpec.from_model_config` of `model`'s config. Raises `UnsupportedModelError` for a config without
     attention heads (`num_attention_heads`: a state-space model such as Mamba or RWKV, whose layers keep a
-    recurrent state instead of keys and values)."""
+    recurrent state instead of keys and values), and for a heterogeneous config (`per_layer_config`) whose layers'
+    keys differ in heads or head size (Gemma 4: 256 dimensions in its sliding layers, 512 in its full ones): the
+    paged cache holds one shape for every layer."""
     config = cast(PretrainedConfig, model.config)
-    if getattr(config.get_text_config(), "num_attention_heads", None) is None:
+    text = config.get_text_config()
+    name = type(model).__name__
+    if getattr(text, "num_attention_heads", None) is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: its config has no attention heads (num_attention_heads); contbatch runs models "
-            "that attend, and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
-    return KVCacheSpec.from_model_config(config, dtype)
+            f"{name}: its config has no attention heads (num_attention_heads); contbatch runs models that attend, "
+            "and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
+    if not getattr(text, "is_heterogeneous", False):
+        return KVCacheSpec.from_model_config(config, dtype)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for index, layer in enumerate(text.per_layer_config):
+        heads = layer.num_attention_heads
+        shape = (getattr(layer, "num_key_value_heads", None) or heads,
+                 getattr(layer, "head_dim", None) or layer.hidden_size // heads)
+        by_shape.setdefault(shape, []).append(index)
+    if len(by_shape) > 1:
+        shapes = "; ".join(f"{_listed(layers)}: {heads} of size {size}" for (heads, size), layers in by_shape.items())
+        raise UnsupportedModelError(
+            f"{name}: its layers' keys differ in heads or head size ({shapes}), and contbatch's paged KV cache holds "
+            "one shape for every layer")
+    (num_kv_heads, head_dim), = by_shape
+    return KVCacheSpec(text.num_hidden_layers, num_kv_heads, head_dim, dtype)
 
 
 def _listed(layers: Sequence[int]) -> str:

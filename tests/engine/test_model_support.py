@@ -11,8 +11,7 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers import GenerationConfig
 
 from contbatch import generate_batch
 from contbatch.engine import attention, triton_attention
@@ -22,12 +21,17 @@ from contbatch.engine.model_support import (
     check_attended,
     check_attention_kwargs,
 )
-from contbatch.engine.request import RequestStatus
-from tests.helpers import make_engine, random_prompts, reference_generate, run_engine
+from tests.helpers import (
+    PROMPT_LENGTHS,
+    SMALL,
+    make_engine,
+    model_of_type,
+    random_prompts,
+    reference_generate,
+    run_engine,
+    run_prompts,
+)
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=1024, initializer_range=0.1, num_hidden_layers=2)
-PROMPT_LENGTHS = [5, 17, 33, 3]
 # Families beyond the parity suite's (tests/helpers.py), each as transformers 5 builds it; weights large enough
 # that greedy tokens vary (small random weights repeat one token, which wrong attention could repeat too).
 MORE_FAMILIES: dict[str, dict[str, object]] = {
@@ -59,29 +63,11 @@ MORE_FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
-def _model(model_type: str, **config: object) -> PreTrainedModel:
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-def _run(model: PreTrainedModel, **engine_config: object) -> dict[str, list[int] | str]:
-    """Each prompt's generated tokens, or its error when it failed; asserts the pool is whole afterwards."""
-    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    with make_engine(model, block_size=4, max_batch_tokens=24, **engine_config) as engine:
-        for index, prompt in enumerate(prompts):
-            engine.add_request(prompt, str(index), max_new_tokens=8)
-        outputs = run_engine(engine)
-    return {key: output.error or "" if output.status == RequestStatus.FAILED else output.generated_tokens
-            for key, output in outputs.items()}
-
-
 @pytest.mark.parametrize("model_type", sorted(MORE_FAMILIES))
 def test_more_families_match_generate(model_type: str) -> None:
     """Mixed lengths, chunked prefill and decode in one engine (4-token blocks, 24-token budget)."""
-    model = _model(model_type, **MORE_FAMILIES[model_type])
-    results = _run(model)
+    model = model_of_type(model_type, **MORE_FAMILIES[model_type])
+    results = run_prompts(model)
     references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
     assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
     for index, reference in enumerate(references):
@@ -93,8 +79,8 @@ def test_layers_that_drop_the_forwards_keywords_attend_through_the_cache(compile
     """StableLM's decoder layers call their attention without the forward's keywords (contbatch's metadata
     among them): the thread's forward hands the metadata over, so chunked prefill and decode match `generate`."""
     torch._dynamo.reset()
-    model = _model("stablelm", **SMALL)
-    results = _run(model, use_default_compile_configs=compiled)
+    model = model_of_type("stablelm", **SMALL)
+    results = run_prompts(model, use_default_compile_configs=compiled)
     for index, prompt in enumerate(random_prompts(PROMPT_LENGTHS, seed=1)):
         assert results[str(index)] == reference_generate(model, prompt, 8), index
 
@@ -123,8 +109,8 @@ def _since(model_type: str) -> Version | None:
 ])
 def test_a_model_with_its_own_attention_code_fails_its_requests_by_name(model_type: str,
                                                                        config: dict[str, object]) -> None:
-    model = _model(model_type, **config)
-    for error in _run(model).values():
+    model = model_of_type(model_type, **config)
+    for error in run_prompts(model).values():
         assert isinstance(error, str)
         assert error.startswith(f"UnsupportedModelError: {type(model).__name__}: 0 of its 2 layers ran"), error
         assert "missing: layers 0, 1" in error and "is_backend_compatible() is False" in error
@@ -144,8 +130,8 @@ def test_gptj_codegen_and_falcon_match_generate_where_they_attend_through_the_in
     since = _since(model_type)
     if since is not None and since > TRANSFORMERS:
         pytest.skip(f"transformers {TRANSFORMERS}: its layers run their own attention code until {since}")
-    model = _model(model_type, **config)
-    results = _run(model)
+    model = model_of_type(model_type, **config)
+    results = run_prompts(model)
     references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
     assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
     for index, reference in enumerate(references):
@@ -155,105 +141,10 @@ def test_gptj_codegen_and_falcon_match_generate_where_they_attend_through_the_in
 def test_falcon_with_alibi_fails_its_requests_by_name() -> None:
     """ALiBi Falcon adds its position bias to the attention mask: refused by name before any forward, on every
     transformers release (before 5.25 its layers' own attention code would be refused anyway)."""
-    model = _model("falcon", **dict(FALCON, alibi=True))
-    for error in _run(model).values():
+    model = model_of_type("falcon", **dict(FALCON, alibi=True))
+    for error in run_prompts(model).values():
         assert isinstance(error, str)
         assert error.startswith("UnsupportedModelError: FalconForCausalLM: its config sets alibi=True"), error
-
-
-RECURRENT = {
-    "jamba": (dict(SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                   num_experts=2, mamba_d_state=4, mamba_d_conv=2), "layer 0", "linear_attention", "keeps"),
-    "falcon_h1": (dict(SMALL, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=16),
-                  "layers 0, 1", "hybrid", "keep"),
-    "lfm2": (dict(SMALL, layer_types=["conv", "full_attention"]), "layer 0", "conv", "keeps"),
-}
-
-
-@pytest.mark.parametrize("model_type", sorted(RECURRENT))
-def test_layers_that_keep_a_recurrent_state_fail_their_requests_by_name(model_type: str) -> None:
-    """Jamba's first layer is a Mamba layer and LFM2's a short convolution, whose states a KV cache cannot hold.
-    Falcon-H1 runs a Mamba mixer beside the attention of every layer, so every layer attends through contbatch:
-    its requests gave other tokens than `generate`, silently, until the config's layer types were checked."""
-    config, layers, kind, keeps = RECURRENT[model_type]
-    model = _model(model_type, **config)
-    for error in _run(model).values():
-        assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
-                         f"({kind}) {keeps} a recurrent state (a state-space, linear-attention or convolution "
-                         "mixer), which contbatch's paged KV cache cannot hold"), error
-
-
-ATTENTION_CONFIG = dict(SMALL, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-
-
-@pytest.mark.parametrize(("model_type", "layers", "kinds", "verb"), [
-    ("deepseek_v4", "layers 0, 1", "heavily_compressed_attention", "ask for"),
-    ("hy_v4", "layers 0, 1", "indexed_attention", "ask for"),
-])
-def test_sparse_or_compressed_attention_layers_fail_their_requests_by_name(model_type: str, layers: str, kinds: str,
-                                                                          verb: str) -> None:
-    """DeepSeek-V4 attends over compressed keys beside its window, which contbatch computed as the window alone;
-    HY-V4's indexer reads the attention mask contbatch leaves out (its requests failed with a TypeError). Any
-    layer type but full, sliding and chunked attention is refused by the config."""
-    _needs(model_type)
-    model = _model(model_type, **ATTENTION_CONFIG)
-    for error in _run(model).values():
-        assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
-                         f"({kinds}) {verb} an attention contbatch's paged attention does not implement (it computes "
-                         "full_attention, sliding_attention, chunked_attention)"), error
-
-
-@pytest.mark.parametrize(("model_type", "config"), [
-    ("mamba", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8)),
-    ("rwkv", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
-                  intermediate_size=128)),
-])
-def test_a_model_without_attention_heads_is_refused_when_the_engine_is_built(model_type: str,
-                                                                             config: dict[str, object]) -> None:
-    """Before, sizing the KV cache raised an AttributeError about the config."""
-    model = _model(model_type, **config)
-    with pytest.raises(UnsupportedModelError, match=rf"^{type(model).__name__}: its config has no attention heads "
-                                                    r"\(num_attention_heads\); contbatch runs models that attend"):
-        make_engine(model, num_blocks=16)
-
-
-def test_values_of_another_head_size_than_the_keys_fail_their_requests_by_name() -> None:
-    """MiMo-V2-Flash's values have 128 dimensions and its keys 192; the cache's write failed on the shapes."""
-    _needs("mimo_v2_flash")
-    model = _model("mimo_v2_flash", **dict(ATTENTION_CONFIG, head_dim=24, v_head_dim=16))
-    for error in _run(model).values():
-        assert error == ("UnsupportedModelError: layer 0 computes values of 2 heads of size 16 beside keys of 2 of "
-                         "size 24; contbatch's paged KV cache holds keys and values of one shape"), error
-
-
-def test_a_window_the_layer_does_not_pass_fails_its_requests_by_name() -> None:
-    """Moshi's config has a sliding window its layers do not pass to their attention function: the cache would
-    keep fewer positions than they attend over."""
-    model = _model("moshi", **dict(ATTENTION_CONFIG, sliding_window=16))
-    for error in _run(model).values():
-        assert error == ("UnsupportedModelError: layer 0 attends with window None, but its cache group keeps only the "
-                         "last 16 positions: the model config's layer_types/sliding_window disagree with what the "
-                         "layer passes to its attention function"), error
-
-
-@pytest.mark.parametrize(("model_type", "decoder"), [("bart", "BartDecoder"), ("pegasus", "PegasusDecoder")])
-def test_a_decoder_that_numbers_its_tokens_itself_fails_its_requests_by_name(model_type: str, decoder: str) -> None:
-    """BART's decoder takes no position ids: it numbers a forward's tokens from its cache's length, so in
-    contbatch's packed steps every token got a position from 0 and the tokens differed from `generate`'s."""
-    model = _model(model_type, vocab_size=256, d_model=64, decoder_layers=2, decoder_attention_heads=4,
-                   encoder_attention_heads=4, encoder_layers=2, decoder_ffn_dim=128, max_position_embeddings=1024,
-                   init_std=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2, decoder_start_token_id=0,
-                   forced_eos_token_id=None)
-    model.generation_config.forced_eos_token_id = None
-    for error in _run(model).values():
-        assert error == (f"UnsupportedModelError: {type(model).__name__}: its decoder ({decoder}) takes no "
-                         "position_ids and numbers its tokens itself, from its cache's length; contbatch's steps "
-                         "pack many requests' tokens, each at its own position"), error
-
-
-def _needs(model_type: str) -> None:
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
 GPT_OSS = dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
@@ -273,16 +164,16 @@ def test_attention_sinks_match_generate(path: str, monkeypatch: pytest.MonkeyPat
         if not triton_attention.available():
             pytest.skip("Triton is not installed")
         monkeypatch.setenv(triton_attention.KERNEL_ENV, "triton")
-    model = _model("gpt_oss", **GPT_OSS)
+    model = model_of_type("gpt_oss", **GPT_OSS)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
-    results = _run(model, use_default_compile_configs=path == "compiled")
+    results = run_prompts(model, use_default_compile_configs=path == "compiled")
     references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
     assert len({token for tokens in references for token in tokens}) > 8
     for index, reference in enumerate(references):
         assert results[str(index)] == reference, index
-    without = _model("gpt_oss", **GPT_OSS)
+    without = model_of_type("gpt_oss", **GPT_OSS)
     assert [reference_generate(without, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)] \
         != references, "the sinks change the tokens"
 
@@ -299,45 +190,11 @@ def test_attention_inputs_it_does_not_implement_are_refused_by_name() -> None:
     assert attention_sinks(module, {"s_aux": torch.zeros(4, dtype=torch.bfloat16)}, 4).dtype == torch.float32
 
 
-BERT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
-            max_position_embeddings=1024, initializer_range=0.2)
-
-
-@pytest.mark.parametrize(("model_type", "name"), [("bert", "BertSelfAttention"), ("electra", "ElectraSelfAttention")])
-def test_an_encoders_bidirectional_attention_is_refused_by_name_and_its_decoder_form_matches_generate(
-        model_type: str, name: str) -> None:
-    """BERT's layers attend bidirectionally unless the config says `is_decoder=True` (`is_causal` False on the
-    module); run causally they gave other tokens than `generate`, silently."""
-    encoder = _model(model_type, **BERT)
-    for error in _run(encoder).values():
-        assert isinstance(error, str) and error.startswith(
-            f"UnsupportedModelError: {name} attends bidirectionally (is_causal=False), and contbatch's paged "
-            "attention is causal only"), error
-    decoder = _model(model_type, is_decoder=True, **BERT)
-    references = [reference_generate(decoder, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
-    assert len({token for tokens in references for token in tokens}) > 5, "a degenerate model proves nothing"
-    results = _run(decoder)
-    for index, reference in enumerate(references):
-        assert results[str(index)] == reference, index
-
-
-def test_a_causal_keyword_overrides_the_modules_attribute() -> None:
-    module = torch.nn.Module()
-    module.is_causal = False
-    check_attention_kwargs(module, {"is_causal": True})
-    with pytest.raises(UnsupportedModelError, match=r"^Module attends bidirectionally \(is_causal=False\)"):
-        check_attention_kwargs(module, {})
-    del module.is_causal
-    check_attention_kwargs(module, {})
-    with pytest.raises(UnsupportedModelError, match="bidirectionally"):
-        check_attention_kwargs(module, {"is_causal": False})
-
-
 def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
     """GPT-NeoX has no grouped-query attention; a stray num_key_value_heads in its config would size the cache for
     2 heads where the layers compute 4."""
-    model = _model("gpt_neox", **SMALL)
-    for error in _run(model).values():
+    model = model_of_type("gpt_neox", **SMALL)
+    for error in run_prompts(model).values():
         assert error == ("UnsupportedModelError: layer 0 computes 4 key/value heads of size 16, but the KV cache "
                          "was sized from the model's config for 2 of size 16 (num_key_value_heads, head_dim)")
 
@@ -345,7 +202,7 @@ def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
 def test_generate_batch_raises_for_an_unsupported_model() -> None:
     """Every output would fail alike, so the call raises as the first arrives; the manager it kept has stopped
     with its pool whole."""
-    model = _model("bloom", vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
+    model = model_of_type("bloom", vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
     with pytest.raises(UnsupportedModelError, match=r"^BloomForCausalLM: 0 of its 2 layers ran"):
         generate_batch(model, random_prompts([4, 9, 6]), GenerationConfig(max_new_tokens=3, do_sample=False),
                        progress_bar=False, persistent_manager=True)
@@ -366,7 +223,7 @@ def test_check_attended_names_missing_and_repeated_layers() -> None:
 
 
 def test_the_check_runs_until_a_forward_passes_it() -> None:
-    model = _model("llama", **SMALL)
+    model = model_of_type("llama", **SMALL)
     with make_engine(model, block_size=4) as engine:
         assert not engine.model_runner.attention_checked
         engine.add_request([5, 6, 7], "r", max_new_tokens=2)
@@ -377,7 +234,7 @@ def test_the_check_runs_until_a_forward_passes_it() -> None:
 def test_chunked_attention_runs_within_a_chunk_and_refuses_past_it() -> None:
     """Llama 4's chunked-attention layers: a request within one `attention_chunk_size` chunk equals `generate`; one
     that would reach past it is refused when added, naming the limit."""
-    model = _model("llama4_text", **SMALL, head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
+    model = model_of_type("llama4_text", **SMALL, head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
                    attention_chunk_size=48)
     prompt = random_prompts([30], seed=3)[0]
     with make_engine(model, block_size=4, max_batch_tokens=24) as engine:

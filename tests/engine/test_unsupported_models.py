@@ -1,0 +1,181 @@
+"""Models contbatch cannot compute exactly, found by running every causal LM family of transformers 5.25 against
+`generate`: each fails its requests (or, without attention heads, its engine) with an `UnsupportedModelError`
+naming what it does, where before some gave other tokens than `generate` silently (Falcon-H1, BERT without
+`is_decoder`, BART) and others failed with errors about shapes or attributes. Gemma 4's text model matches
+`generate` where its layers' keys share one shape, and is refused where they do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from contbatch.engine.model_support import UnsupportedModelError, check_attention_kwargs
+from tests.helpers import (
+    PROMPT_LENGTHS,
+    SMALL,
+    make_engine,
+    model_of_type,
+    random_prompts,
+    reference_generate,
+    run_prompts,
+)
+
+RECURRENT = {
+    "jamba": (dict(SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=2, mamba_d_state=4, mamba_d_conv=2), "layer 0", "linear_attention", "keeps"),
+    "falcon_h1": (dict(SMALL, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=16),
+                  "layers 0, 1", "hybrid", "keep"),
+    "lfm2": (dict(SMALL, layer_types=["conv", "full_attention"]), "layer 0", "conv", "keeps"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(RECURRENT))
+def test_layers_that_keep_a_recurrent_state_fail_their_requests_by_name(model_type: str) -> None:
+    """Jamba's first layer is a Mamba layer and LFM2's a short convolution, whose states a KV cache cannot hold.
+    Falcon-H1 runs a Mamba mixer beside the attention of every layer, so every layer attends through contbatch:
+    its requests gave other tokens than `generate`, silently, until the config's layer types were checked."""
+    config, layers, kind, keeps = RECURRENT[model_type]
+    model = model_of_type(model_type, **config)
+    for error in run_prompts(model).values():
+        assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
+                         f"({kind}) {keeps} a recurrent state (a state-space, linear-attention or convolution "
+                         "mixer), which contbatch's paged KV cache cannot hold"), error
+
+
+ATTENTION_CONFIG = dict(SMALL, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+@pytest.mark.parametrize(("model_type", "layers", "kinds", "verb"), [
+    ("deepseek_v4", "layers 0, 1", "heavily_compressed_attention", "ask for"),
+    ("hy_v4", "layers 0, 1", "indexed_attention", "ask for"),
+])
+def test_sparse_or_compressed_attention_layers_fail_their_requests_by_name(model_type: str, layers: str, kinds: str,
+                                                                          verb: str) -> None:
+    """DeepSeek-V4 attends over compressed keys beside its window, which contbatch computed as the window alone;
+    HY-V4's indexer reads the attention mask contbatch leaves out (its requests failed with a TypeError). Any
+    layer type but full, sliding and chunked attention is refused by the config."""
+    _needs(model_type)
+    model = model_of_type(model_type, **ATTENTION_CONFIG)
+    for error in run_prompts(model).values():
+        assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
+                         f"({kinds}) {verb} an attention contbatch's paged attention does not implement (it computes "
+                         "full_attention, sliding_attention, chunked_attention)"), error
+
+
+@pytest.mark.parametrize(("model_type", "config"), [
+    ("mamba", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8)),
+    ("rwkv", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                  intermediate_size=128)),
+])
+def test_a_model_without_attention_heads_is_refused_when_the_engine_is_built(model_type: str,
+                                                                             config: dict[str, object]) -> None:
+    """Before, sizing the KV cache raised an AttributeError about the config."""
+    model = model_of_type(model_type, **config)
+    with pytest.raises(UnsupportedModelError, match=rf"^{type(model).__name__}: its config has no attention heads "
+                                                    r"\(num_attention_heads\); contbatch runs models that attend"):
+        make_engine(model, num_blocks=16)
+
+
+def test_values_of_another_head_size_than_the_keys_fail_their_requests_by_name() -> None:
+    """MiMo-V2-Flash's values have 128 dimensions and its keys 192; the cache's write failed on the shapes."""
+    _needs("mimo_v2_flash")
+    model = model_of_type("mimo_v2_flash", **dict(ATTENTION_CONFIG, head_dim=24, v_head_dim=16))
+    for error in run_prompts(model).values():
+        assert error == ("UnsupportedModelError: layer 0 computes values of 2 heads of size 16 beside keys of 2 of "
+                         "size 24; contbatch's paged KV cache holds keys and values of one shape"), error
+
+
+def test_a_window_the_layer_does_not_pass_fails_its_requests_by_name() -> None:
+    """Moshi's config has a sliding window its layers do not pass to their attention function: the cache would
+    keep fewer positions than they attend over."""
+    model = model_of_type("moshi", **dict(ATTENTION_CONFIG, sliding_window=16))
+    for error in run_prompts(model).values():
+        assert error == ("UnsupportedModelError: layer 0 attends with window None, but its cache group keeps only the "
+                         "last 16 positions: the model config's layer_types/sliding_window disagree with what the "
+                         "layer passes to its attention function"), error
+
+
+@pytest.mark.parametrize(("model_type", "decoder"), [("bart", "BartDecoder"), ("pegasus", "PegasusDecoder")])
+def test_a_decoder_that_numbers_its_tokens_itself_fails_its_requests_by_name(model_type: str, decoder: str) -> None:
+    """BART's decoder takes no position ids: it numbers a forward's tokens from its cache's length, so in
+    contbatch's packed steps every token got a position from 0 and the tokens differed from `generate`'s."""
+    model = model_of_type(model_type, vocab_size=256, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                   encoder_attention_heads=4, encoder_layers=2, decoder_ffn_dim=128, max_position_embeddings=1024,
+                   init_std=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2, decoder_start_token_id=0,
+                   forced_eos_token_id=None)
+    model.generation_config.forced_eos_token_id = None
+    for error in run_prompts(model).values():
+        assert error == (f"UnsupportedModelError: {type(model).__name__}: its decoder ({decoder}) takes no "
+                         "position_ids and numbers its tokens itself, from its cache's length; contbatch's steps "
+                         "pack many requests' tokens, each at its own position"), error
+
+
+def _needs(model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
+BERT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=1024, initializer_range=0.2)
+
+
+@pytest.mark.parametrize(("model_type", "name"), [("bert", "BertSelfAttention"), ("electra", "ElectraSelfAttention")])
+def test_an_encoders_bidirectional_attention_is_refused_by_name_and_its_decoder_form_matches_generate(
+        model_type: str, name: str) -> None:
+    """BERT's layers attend bidirectionally unless the config says `is_decoder=True` (`is_causal` False on the
+    module); run causally they gave other tokens than `generate`, silently."""
+    encoder = model_of_type(model_type, **BERT)
+    for error in run_prompts(encoder).values():
+        assert isinstance(error, str) and error.startswith(
+            f"UnsupportedModelError: {name} attends bidirectionally (is_causal=False), and contbatch's paged "
+            "attention is causal only"), error
+    decoder = model_of_type(model_type, is_decoder=True, **BERT)
+    references = [reference_generate(decoder, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 5, "a degenerate model proves nothing"
+    results = run_prompts(decoder)
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
+
+
+def test_a_causal_keyword_overrides_the_modules_attribute() -> None:
+    module = torch.nn.Module()
+    module.is_causal = False
+    check_attention_kwargs(module, {"is_causal": True})
+    with pytest.raises(UnsupportedModelError, match=r"^Module attends bidirectionally \(is_causal=False\)"):
+        check_attention_kwargs(module, {})
+    del module.is_causal
+    check_attention_kwargs(module, {})
+    with pytest.raises(UnsupportedModelError, match="bidirectionally"):
+        check_attention_kwargs(module, {"is_causal": False})
+
+
+GEMMA4 = dict(SMALL, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, num_hidden_layers=4,
+              layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8, head_dim=16,
+              initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+@pytest.mark.parametrize("variant", [{}, {"num_kv_shared_layers": 2}, {"attention_k_eq_v": True}],
+                         ids=["plain", "shared-kv", "k-eq-v"])
+def test_gemma4_matches_generate_where_its_layers_keys_share_one_shape(variant: dict[str, object]) -> None:
+    """Gemma 4's config is heterogeneous (`per_layer_config`): its full-attention layers take `global_head_dim`.
+    Equal to `head_dim`, every layer's keys fit the one cache, with its later layers reading the keys of earlier
+    ones, or its keys doubling as values."""
+    _needs("gemma4_text")
+    model = model_of_type("gemma4_text", **GEMMA4, global_head_dim=16, **variant)
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 5, "a degenerate model proves nothing"
+    results = run_prompts(model)
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
+
+
+def test_gemma4_whose_full_layers_keys_are_larger_is_refused_when_the_engine_is_built() -> None:
+    """Before, reading the config's `head_dim` raised transformers' AmbiguousGlobalPerLayerAttributeError."""
+    _needs("gemma4_text")
+    model = model_of_type("gemma4_text", **GEMMA4, global_head_dim=32)
+    with pytest.raises(UnsupportedModelError, match=r"^Gemma4ForCausalLM: its layers' keys differ in heads or head "
+                                                    r"size \(layers 0, 2: 2 of size 16; layers 1, 3: 2 of size 32\), "
+                                                    r"and contbatch's paged KV cache holds one shape for every layer$"):
+        make_engine(model, num_blocks=16)
