@@ -125,10 +125,11 @@ def model_of_type(model_type: str, **config: object) -> PreTrainedModel:
 
 
 def run_prompts(model: PreTrainedModel, **engine_config: object) -> dict[str, list[int] | str]:
-    """Runs `PROMPT_LENGTHS`' random prompts (8 new tokens each) on an engine of `model`: each prompt's generated
-    tokens, or its error when it failed; asserts the pool is whole afterwards (`run_engine`)."""
+    """Runs `PROMPT_LENGTHS`' random prompts (8 new tokens each) on an engine of `model` (blocks of 4 tokens, steps of
+    24, unless `engine_config` says otherwise): each prompt's generated tokens, or its error when it failed;
+    asserts the pool is whole afterwards (`run_engine`)."""
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    with make_engine(model, block_size=4, max_batch_tokens=24, **engine_config) as engine:
+    with make_engine(model, **{"block_size": 4, "max_batch_tokens": 24, **engine_config}) as engine:
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, str(index), max_new_tokens=8)
         outputs = run_engine(engine)

@@ -73,7 +73,7 @@ class LLMEngine:
         check_supported(self.generation_config)
         device = next(model.parameters()).device
         spec = cache_spec(model, next(model.parameters()).dtype)
-        groups = kv_cache_groups(model.config)
+        groups = kv_cache_groups(model.config, spec)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(
             spec, groups, self.config.block_size, max(free, 0), self.config.max_memory_percent

@@ -18,12 +18,19 @@ from contbatch.engine.cpu_kernels import kv_row_writer
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The shape of one token's K/V in one layer of a model."""
+    """The shape of one token's K/V in one layer of a model: `num_kv_heads` heads of `head_dim`, or, where the
+    layers differ (Gemma 4's full-attention layers take larger heads), each layer's `(heads, head_dim)` in
+    `layer_shapes`, and `num_kv_heads` x `head_dim` the largest of them (the size of a layer's slice of a block)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    layer_shapes: tuple[tuple[int, int], ...] = ()
+
+    def shape_of(self, layer: int) -> tuple[int, int]:
+        """`layer`'s (key/value heads, head size)."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_model_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> KVCacheSpec:
@@ -50,9 +57,10 @@ class KVCacheGroup:
     sliding_window: int | None = None
 
 
-def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroup]:
-    """The model's layers split into groups of one attention kind (full, or one sliding window), all groups of
-    the same size but the last of each kind, full-attention groups first.
+def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None) -> list[KVCacheGroup]:
+    """The model's layers split into groups of one attention kind (full, or one sliding window) and, with `spec`,
+    one key shape (`KVCacheSpec.shape_of`), all groups of the same size but the last of each kind, full-attention
+    groups first.
 
     A model whose layers are all alike is one group. A hybrid model (Gemma 2/3: sliding and full layers) gets
     groups of `min(count of each kind)` layers, so that one block of the pool, which holds `block_size` tokens of
@@ -64,16 +72,30 @@ def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroup]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # e.g. Mistral: the config's window applies to every layer
         layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
-    by_window: dict[int | None, list[int]] = {}
+    by_kind: dict[tuple[int | None, tuple[int, int]], list[int]] = {}
     for layer, kind in enumerate(layer_types[:num_layers]):
-        by_window.setdefault(int(window) if window and kind == "sliding_attention" else None, []).append(layer)
-    if len(by_window) == 1:
-        (only_window, layers), = by_window.items()
+        shape = spec.shape_of(layer) if spec is not None else (0, 0)
+        by_kind.setdefault((int(window) if window and kind == "sliding_attention" else None, shape), []).append(layer)
+    if len(by_kind) == 1:
+        ((only_window, _), layers), = by_kind.items()
         return [KVCacheGroup(tuple(layers), only_window)]
-    size = min(len(layers) for layers in by_window.values())
-    kinds = sorted(by_window.items(), key=lambda item: -1 if item[0] is None else item[0])
+    size = min(len(layers) for layers in by_kind.values())
+    kinds = sorted(by_kind.items(), key=lambda item: (-1 if item[0][0] is None else item[0][0], item[0][1]))
     return [KVCacheGroup(tuple(layers[start:start + size]), kind_window)
-            for kind_window, layers in kinds for start in range(0, len(layers), size)]
+            for (kind_window, _), layers in kinds for start in range(0, len(layers), size)]
+
+
+def block_positions(spec: KVCacheSpec, groups: list[KVCacheGroup]) -> dict[tuple[int, int], int]:
+    """Where each key shape's layers start in a block (each layer takes one position, a slice of a block the size
+    of the spec's largest shape): the groups of one shape share its positions, as their block ids differ; shapes
+    get positions of their own, so that two layers' views of one position never differ in shape. The value at
+    key `(0, 0)` is the positions a block has."""
+    starts: dict[tuple[int, int], int] = {}
+    total = 0
+    for shape in dict.fromkeys(spec.shape_of(group.layers[0]) for group in groups):
+        starts[shape] = total
+        total += max(len(group.layers) for group in groups if spec.shape_of(group.layers[0]) == shape)
+    return {**starts, (0, 0): total}
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -108,7 +130,7 @@ def trim_host_heap() -> None:
 def num_blocks_for_memory(spec: KVCacheSpec, groups: list[KVCacheGroup], block_size: int, memory_bytes: int,
                           percent: float) -> int:
     """How many blocks fit in `percent` of `memory_bytes`."""
-    layers_per_block = max(len(group.layers) for group in groups)
+    layers_per_block = block_positions(spec, groups)[(0, 0)]
     return max(1, int(memory_bytes * percent) // spec.bytes_per_block(block_size, layers_per_block))
 
 
@@ -157,8 +179,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = device
         self.groups = groups or [KVCacheGroup(tuple(range(spec.num_layers)))]
-        layers_per_block = max(len(group.layers) for group in self.groups)
-        self.shape = (layers_per_block, 2, spec.num_kv_heads, (num_blocks + 1) * block_size, spec.head_dim)
+        self._starts = block_positions(spec, self.groups)
+        self.shape = (self._starts[(0, 0)], 2, spec.num_kv_heads, (num_blocks + 1) * block_size, spec.head_dim)
         self.scratch_slot = num_blocks * block_size
         self.layer_group = [0] * spec.num_layers
         for index, group in enumerate(self.groups):
@@ -200,10 +222,26 @@ class PagedKVCache:
         keys = [storage[0, 0]] * self.spec.num_layers
         values = [storage[0, 1]] * self.spec.num_layers
         for group in self.groups:
-            for position, layer in enumerate(group.layers):
-                keys[layer] = storage[position, 0]
-                values[layer] = storage[position, 1]
+            shape = self.spec.shape_of(group.layers[0])
+            for position, layer in enumerate(group.layers, self._starts[shape]):
+                keys[layer] = self._plane(storage, position, 0, shape)
+                values[layer] = self._plane(storage, position, 1, shape)
         self._storage, self.keys, self.values = storage, keys, values
+
+    def _plane(self, storage: torch.Tensor, position: int, kind: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The keys (`kind` 0) or values (1) of the layers at `position` of a block, as `[heads, slots, head_dim]`
+        of `shape`: the start of the position's slice where the shape is smaller than the largest."""
+        plane = storage[position, kind]
+        if shape == (self.spec.num_kv_heads, self.spec.head_dim):
+            return plane
+        heads, head_dim = shape
+        return plane.view(-1)[: heads * plane.shape[1] * head_dim].view(heads, plane.shape[1], head_dim)
+
+    def _planes(self) -> list[torch.Tensor]:
+        """One view per position of a block and keys or values, in its layers' shape."""
+        planes = {plane.data_ptr(): plane for group in self.groups for layer in group.layers
+                  for plane in (self.keys[layer], self.values[layer])}
+        return list(planes.values())
 
     def release(self) -> None:
         """Drops the storage and every view of it, so its memory goes back: to the OS on CPU (a large tensor is
@@ -228,10 +266,14 @@ class PagedKVCache:
         last = min(last, self.num_blocks)
         if self.device.type != "cpu" or not self.is_allocated or first >= last:
             return
-        row = self.shape[-1]
-        planes = self._storage.view(-1, self.shape[-2] * row)
         step = max(1, mmap.PAGESIZE // self.spec.dtype.itemsize)
-        planes[:, first * self.block_size * row: last * self.block_size * row: step].zero_()
+        if not self.spec.layer_shapes:
+            row = self.shape[-1]
+            planes = self._storage.view(-1, self.shape[-2] * row)
+            planes[:, first * self.block_size * row: last * self.block_size * row: step].zero_()
+            return
+        for plane in self._planes():
+            plane[:, first * self.block_size: last * self.block_size].flatten(1)[:, ::step].zero_()
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping` (on CPU
@@ -248,7 +290,8 @@ class PagedKVCache:
 
     def gather(self, layer: int, slots: torch.Tensor, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `slots` ([batch * length]) as [batch, num_kv_heads, length, head_dim] views."""
-        shape = (self.spec.num_kv_heads, batch, length, self.spec.head_dim)
+        heads, head_dim = self.spec.shape_of(layer)
+        shape = (heads, batch, length, head_dim)
         keys = self.keys[layer].index_select(1, slots).view(shape).transpose(0, 1)
         values = self.values[layer].index_select(1, slots).view(shape).transpose(0, 1)
         return keys, values
@@ -262,4 +305,9 @@ class PagedKVCache:
         src = (torch.tensor([s for s, _ in copies]).unsqueeze(1) * size + offsets).reshape(-1)
         dst = (torch.tensor([d for _, d in copies]).unsqueeze(1) * size + offsets).reshape(-1)
         device = self._storage.device
-        self._storage.index_copy_(3, dst.to(device), self._storage.index_select(3, src.to(device)))
+        src, dst = src.to(device), dst.to(device)
+        if not self.spec.layer_shapes:
+            self._storage.index_copy_(3, dst, self._storage.index_select(3, src))
+            return
+        for plane in self._planes():
+            plane.index_copy_(1, dst, plane.index_select(1, src))

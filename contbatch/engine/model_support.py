@@ -101,10 +101,11 @@ def check_kv_shape(layer: int, key: torch.Tensor, value: torch.Tensor, spec: KVC
     """Raises `UnsupportedModelError` if `key` or `value` [1, kv_heads, tokens, head_dim] does not fit the cache's
     `spec` (one head size for keys and values)."""
     heads, head_dim = key.shape[1], key.shape[-1]
-    if heads != spec.num_kv_heads or head_dim != spec.head_dim:
+    if (heads, head_dim) != spec.shape_of(layer):
+        expected_heads, expected_size = spec.shape_of(layer)
         raise UnsupportedModelError(
             f"layer {layer} computes {heads} key/value heads of size {head_dim}, but the KV cache was sized from "
-            f"the model's config for {spec.num_kv_heads} of size {spec.head_dim} (num_key_value_heads, head_dim)")
+            f"the model's config for {expected_heads} of size {expected_size} (num_key_value_heads, head_dim)")
     if value.shape[1] != heads or value.shape[-1] != head_dim:
         raise UnsupportedModelError(
             f"layer {layer} computes values of {value.shape[1]} heads of size {value.shape[-1]} beside keys of "
@@ -202,33 +203,26 @@ def _layer_types_error(name: str, layer_types: list[str], layers: list[int], ver
 
 
 def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
-    """`KVCacheSpec.from_model_config` of `model`'s config. Raises `UnsupportedModelError` for a config without
-    attention heads (`num_attention_heads`: a state-space model such as Mamba or RWKV, whose layers keep a
-    recurrent state instead of keys and values), and for a heterogeneous config (`per_layer_config`) whose layers'
-    keys differ in heads or head size (Gemma 4: 256 dimensions in its sliding layers, 512 in its full ones): the
-    paged cache holds one shape for every layer."""
+    """`KVCacheSpec.from_model_config` of `model`'s config, with each layer's shape where a heterogeneous config
+    (`per_layer_config`) gives its layers keys of different heads or head sizes (Gemma 4: 256 dimensions in its
+    sliding layers, 512 in its full ones). Raises `UnsupportedModelError` for a config without attention heads
+    (`num_attention_heads`: a state-space model such as Mamba or RWKV, whose layers keep a recurrent state
+    instead of keys and values)."""
     config = cast(PretrainedConfig, model.config)
     text = config.get_text_config()
-    name = type(model).__name__
     if getattr(text, "num_attention_heads", None) is None:
         raise UnsupportedModelError(
-            f"{name}: its config has no attention heads (num_attention_heads); contbatch runs models that attend, "
-            "and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
+            f"{type(model).__name__}: its config has no attention heads (num_attention_heads); contbatch runs models "
+            "that attend, and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
     if not getattr(text, "is_heterogeneous", False):
         return KVCacheSpec.from_model_config(config, dtype)
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for index, layer in enumerate(text.per_layer_config):
+    shapes = []
+    for layer in text.per_layer_config:
         heads = layer.num_attention_heads
-        shape = (getattr(layer, "num_key_value_heads", None) or heads,
-                 getattr(layer, "head_dim", None) or layer.hidden_size // heads)
-        by_shape.setdefault(shape, []).append(index)
-    if len(by_shape) > 1:
-        shapes = "; ".join(f"{_listed(layers)}: {heads} of size {size}" for (heads, size), layers in by_shape.items())
-        raise UnsupportedModelError(
-            f"{name}: its layers' keys differ in heads or head size ({shapes}), and contbatch's paged KV cache holds "
-            "one shape for every layer")
-    (num_kv_heads, head_dim), = by_shape
-    return KVCacheSpec(text.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        shapes.append((getattr(layer, "num_key_value_heads", None) or heads,
+                       getattr(layer, "head_dim", None) or layer.hidden_size // heads))
+    largest = max(shapes, key=lambda shape: shape[0] * shape[1])
+    return KVCacheSpec(len(shapes), *largest, dtype, tuple(shapes) if len(set(shapes)) > 1 else ())
 
 
 def _listed(layers: Sequence[int]) -> str:
