@@ -68,14 +68,15 @@ def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -
     """Raises `UnsupportedModelError` if the attention function's keywords hold an input it does not implement,
     or if the layer attends bidirectionally: its `is_causal` keyword, else its module's `is_causal` attribute, is
     False (transformers' own attention functions read them in that order), as an encoder's layers do (BERT and
-    its kin unless their config says `is_decoder=True`)."""
+    its kin unless their config says `is_decoder=True`) and a prefix LM's over its prompt (PaliGemma)."""
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
     if causal is False:
         raise UnsupportedModelError(
             f"{type(module).__name__} attends bidirectionally (is_causal=False), and contbatch's paged attention "
-            f"is causal only (an encoder-style model: for BERT and its kin, set is_decoder=True in the config)")
+            f"is causal only (an encoder's layers, or a prefix LM's such as PaliGemma's over its prompt; BERT and its "
+            f"kin attend causally with is_decoder=True in their config)")
     for name in UNSUPPORTED_ATTENTION_KWARGS.keys() & kwargs.keys():
         if kwargs[name] is not None:
             raise UnsupportedModelError(

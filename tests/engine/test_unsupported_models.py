@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from contbatch.engine.model_support import UnsupportedModelError, check_attention_kwargs
@@ -175,3 +176,40 @@ def test_gemma4_matches_generate(variant: dict[str, object]) -> None:
         results = run_prompts(model, **config)
         for index, reference in enumerate(references):
             assert results[str(index)] == reference, (config, index)
+
+
+TEXT = dict(SMALL, initializer_range=0.2, head_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+
+
+def _vision_language_model(model_type: str, **config: object) -> transformers.PreTrainedModel:
+    _needs(model_type)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **config))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def test_a_prefix_lm_fails_its_requests_by_name() -> None:
+    """PaliGemma attends bidirectionally over its prompt (its layers' `is_causal` is False, its mask says which
+    tokens): run causally, a text prompt got other tokens than `generate`'s."""
+    model = _vision_language_model("paligemma", text_config=dict(TEXT, model_type="gemma"),
+                                   vision_config=dict(VISION, model_type="siglip_vision_model"), image_token_index=250)
+    for error in run_prompts(model, num_blocks=64).values():
+        assert isinstance(error, str) and error.startswith(
+            "UnsupportedModelError: GemmaAttention attends bidirectionally (is_causal=False)"), error
+
+
+def test_qwen25_vl_matches_generate_on_text_prompts() -> None:
+    """Qwen2.5-VL's rotary embedding takes three position ids a token (M-RoPE); a text token's are its position
+    thrice, from the position ids contbatch passes."""
+    model = _vision_language_model(
+        "qwen2_5_vl", text_config=dict(TEXT, rope_parameters=MROPE), image_token_id=250, video_token_id=251,
+        vision_start_token_id=252, vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64,
+                                                      intermediate_size=64, num_heads=2))
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 5, "a degenerate model proves nothing"
+    results = run_prompts(model, num_blocks=64)
+    for index, reference in enumerate(references):
+        assert results[str(index)] == reference, index
