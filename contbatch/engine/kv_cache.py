@@ -85,17 +85,17 @@ def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None) -
             for (kind_window, _), layers in kinds for start in range(0, len(layers), size)]
 
 
-def block_positions(spec: KVCacheSpec, groups: list[KVCacheGroup]) -> dict[tuple[int, int], int]:
-    """Where each key shape's layers start in a block (each layer takes one position, a slice of a block the size
-    of the spec's largest shape): the groups of one shape share its positions, as their block ids differ; shapes
-    get positions of their own, so that two layers' views of one position never differ in shape. The value at
-    key `(0, 0)` is the positions a block has."""
+def block_positions(spec: KVCacheSpec, groups: list[KVCacheGroup]) -> tuple[dict[tuple[int, int], int], int]:
+    """Where each key shape's layers start in a block, and how many positions a block has (each layer takes one
+    position, a slice of a block the size of the spec's largest shape): the groups of one shape share its
+    positions, as their block ids differ; shapes get positions of their own, so that two layers' views of one
+    position never differ in shape."""
     starts: dict[tuple[int, int], int] = {}
     total = 0
     for shape in dict.fromkeys(spec.shape_of(group.layers[0]) for group in groups):
         starts[shape] = total
         total += max(len(group.layers) for group in groups if spec.shape_of(group.layers[0]) == shape)
-    return {**starts, (0, 0): total}
+    return starts, total
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -130,7 +130,7 @@ def trim_host_heap() -> None:
 def num_blocks_for_memory(spec: KVCacheSpec, groups: list[KVCacheGroup], block_size: int, memory_bytes: int,
                           percent: float) -> int:
     """How many blocks fit in `percent` of `memory_bytes`."""
-    layers_per_block = block_positions(spec, groups)[(0, 0)]
+    _, layers_per_block = block_positions(spec, groups)
     return max(1, int(memory_bytes * percent) // spec.bytes_per_block(block_size, layers_per_block))
 
 
@@ -179,8 +179,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = device
         self.groups = groups or [KVCacheGroup(tuple(range(spec.num_layers)))]
-        self._starts = block_positions(spec, self.groups)
-        self.shape = (self._starts[(0, 0)], 2, spec.num_kv_heads, (num_blocks + 1) * block_size, spec.head_dim)
+        self._starts, positions = block_positions(spec, self.groups)
+        self.shape = (positions, 2, spec.num_kv_heads, (num_blocks + 1) * block_size, spec.head_dim)
         self.scratch_slot = num_blocks * block_size
         self.layer_group = [0] * spec.num_layers
         for index, group in enumerate(self.groups):

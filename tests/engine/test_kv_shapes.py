@@ -22,9 +22,9 @@ CONFIG = Gemma3TextConfig(num_hidden_layers=6, sliding_window=8, layer_types=[
 def test_groups_split_by_shape_and_shapes_take_positions_of_their_own() -> None:
     groups = kv_cache_groups(CONFIG, SPEC)
     assert groups == [KVCacheGroup((1, 3), None), KVCacheGroup((0, 2), 8), KVCacheGroup((4, 5), 8)]
-    assert block_positions(SPEC, groups) == {(1, 32): 0, (2, 16): 2, (0, 0): 4}
+    assert block_positions(SPEC, groups) == ({(1, 32): 0, (2, 16): 2}, 4)
     uniform = KVCacheSpec(num_layers=6, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    assert block_positions(uniform, kv_cache_groups(CONFIG, uniform))[(0, 0)] == 2
+    assert block_positions(uniform, kv_cache_groups(CONFIG, uniform))[1] == 2
 
 
 GROUP_OF = {1: 0, 3: 0, 0: 1, 2: 1, 4: 2, 5: 2}

@@ -55,7 +55,7 @@ ATTENTION_CONFIG = dict(SMALL, initializer_range=0.2, bos_token_id=0, eos_token_
 ])
 def test_sparse_or_compressed_attention_layers_fail_their_requests_by_name(model_type: str, layers: str, kinds: str,
                                                                           verb: str) -> None:
-    """DeepSeek-V4 attends over compressed keys beside its window, which contbatch computed as the window alone;
+    """DeepSeek-V4 attends over compressed keys beside its window, which contbatch's paged attention does not compute;
     HY-V4's indexer reads the attention mask contbatch leaves out (its requests failed with a TypeError). Any
     layer type but full, sliding and chunked attention is refused by the config."""
     _needs(model_type)
