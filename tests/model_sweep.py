@@ -23,6 +23,8 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attentio
              shared_expert_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
              bos_token_id=0, eos_token_id=1, pad_token_id=2, decoder_start_token_id=0)
 """The config fields a small model takes, each set where the model type's default config has it."""
+LATENT_SIZES = dict(head_dim=SIZES["qk_rope_head_dim"], num_key_value_heads=SIZES["num_attention_heads"])
+"""Multi-head latent attention's: `head_dim` is the rotary part, and keys and values take every attention head."""
 SECONDS = 150
 MEMORY_BYTES = 8 << 30
 
@@ -35,7 +37,10 @@ def verdict(model_type: str) -> list[str]:
 
     try:
         default = AutoConfig.for_model(model_type)
-        config = AutoConfig.for_model(model_type, **{k: v for k, v in SIZES.items() if _has(default, k)})
+        sizes = {k: v for k, v in SIZES.items() if _has(default, k)}
+        if _has(default, "kv_lora_rank"):
+            sizes.update(LATENT_SIZES)
+        config = AutoConfig.for_model(model_type, **sizes)
         model = AutoModelForCausalLM.from_config(config).eval()
     except Exception as error:
         return [model_type, "build", repr(error)[:200]]

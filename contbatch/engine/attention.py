@@ -163,10 +163,11 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function contract. With contbatch's metadata (`METADATA_KWARG`): query
-    [1, heads, tokens, head_dim], key/value [1, kv_heads, tokens, head_dim] for the packed batch; returns
-    ([1, tokens, heads, head_dim], None). Without it (a training forward, `generate`, a forward on another thread
-    while a step runs), the call goes, arguments untouched, to the implementation the model had when contbatch
-    attached (`own_attention`), so the model computes exactly what it computed before attaching."""
+    [1, heads, tokens, head_dim], key/value [1, kv_heads, tokens, head_dim] for the packed batch (values may be
+    smaller: multi-head latent attention); returns ([1, tokens, heads, value head size], None). Without it (a
+    training forward, `generate`, a forward on another thread while a step runs), the call goes, arguments
+    untouched, to the implementation the model had when contbatch attached (`own_attention`), so the model
+    computes exactly what it computed before attaching."""
     metadata: PagedAttentionMetadata | str | None = kwargs.get(METADATA_KWARG)
     if metadata is None and getattr(_forward_state, "active", False):
         metadata = _forward_state.metadata  # a layer that drops the forward's keywords (StableLM's)
@@ -201,7 +202,7 @@ def paged_attention_for_layer(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes `layer`'s new K/V into the cache, then attends every group of the batch over its context; returns
-    [1, tokens, heads, head_dim]. `sinks` ([heads] float32): each head's sink logit (`attention_math`)."""
+    [1, tokens, heads, value head size]. `sinks` ([heads] float32): each head's sink logit (`attention_math`)."""
     cache_group = metadata.cache.layer_group[layer]
     check_window(layer, sliding_window, metadata.cache.groups[cache_group].sliding_window)
     check_kv_shape(layer, key, value, metadata.cache.spec)
@@ -209,17 +210,20 @@ def paged_attention_for_layer(
     queries = query[0].transpose(0, 1)
     metadata.cache.write(layer, metadata.slot_mapping[cache_group], key[0], value[0])
     if len(metadata.groups) == 1 and metadata.groups[0].whole_batch:
-        return _attend_group(metadata.groups[0], cache_group, queries, metadata.cache, layer, sliding_window,
-                             scaling, softcap, sinks).unsqueeze(0)
-    output = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)  # contiguous, as the op's fake
-    for group in metadata.groups:
-        attended = _attend_group(group, cache_group, queries, metadata.cache, layer, sliding_window, scaling,
-                                 softcap, sinks)
-        if group.real_queries is None:
-            output.index_copy_(0, group.query_rows, attended)
-        else:
-            rows = group.query_rows.index_select(0, group.real_queries)
-            output.index_copy_(0, rows, attended.index_select(0, group.real_queries))
+        output = _attend_group(metadata.groups[0], cache_group, queries, metadata.cache, layer, sliding_window,
+                               scaling, softcap, sinks)
+    else:
+        output = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
+        for group in metadata.groups:
+            attended = _attend_group(group, cache_group, queries, metadata.cache, layer, sliding_window, scaling,
+                                     softcap, sinks)
+            if group.real_queries is None:
+                output.index_copy_(0, group.query_rows, attended)
+            else:
+                rows = group.query_rows.index_select(0, group.real_queries)
+                output.index_copy_(0, rows, attended.index_select(0, group.real_queries))
+    if value.shape[-1] != output.shape[-1]:  # values stored zero-padded to the keys' size (`PagedKVCache.write`)
+        output = output[..., : value.shape[-1]]
     return output.unsqueeze(0)
 
 

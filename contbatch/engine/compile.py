@@ -63,7 +63,7 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
                           sliding_window: int, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
 
 paged_attention_op = define_op(
@@ -73,7 +73,7 @@ paged_attention_op = define_op(
     _paged_attention, _paged_attention_fake,
 )
 """contbatch's paged attention of `layer` for the current step (`step_metadata`) as the op
-`contbatch::paged_attention`: writes the layer's K/V into the cache and returns [1, tokens, heads, head_dim].
+`contbatch::paged_attention`: writes the layer's K/V into the cache and returns [1, tokens, heads, value head size].
 `sliding_window` and `softcap` are 0 when unset; `sinks` ([heads] float32) are gpt-oss's attention sinks."""
 
 

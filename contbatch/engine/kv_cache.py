@@ -20,25 +20,45 @@ from contbatch.engine.cpu_kernels import kv_row_writer
 class KVCacheSpec:
     """The shape of one token's K/V in one layer of a model: `num_kv_heads` heads of `head_dim`, or, where the
     layers differ (Gemma 4's full-attention layers take larger heads), each layer's `(heads, head_dim)` in
-    `layer_shapes`, and `num_kv_heads` x `head_dim` the largest of them (the size of a layer's slice of a block)."""
+    `layer_shapes`, and `num_kv_heads` x `head_dim` the largest of them (the size of a layer's slice of a block).
+
+    `value_head_dim`: the values' head size where it is smaller than the keys' (multi-head latent attention:
+    DeepSeek-V2/V3's keys take 192 dimensions, their values 128), else None. Values are stored in planes of the
+    keys' shape, zero-padded (`PagedKVCache.write`), so that every attention kernel reads one head size; the
+    attention's output is cut back to the values' size."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     layer_shapes: tuple[tuple[int, int], ...] = ()
+    value_head_dim: int | None = None
 
     def shape_of(self, layer: int) -> tuple[int, int]:
-        """`layer`'s (key/value heads, head size)."""
+        """`layer`'s (key/value heads, key head size)."""
         return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
+
+    def value_dim_of(self, layer: int) -> int:
+        """`layer`'s value head size (its key head size unless `value_head_dim` says otherwise)."""
+        return self.value_head_dim or self.shape_of(layer)[1]
 
     @classmethod
     def from_model_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> KVCacheSpec:
+        """The spec of a config whose layers are alike. Multi-head latent attention (a config with `kv_lora_rank`,
+        `qk_nope_head_dim` and `qk_rope_head_dim`: DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite...) expands its latent
+        into keys and values of every attention head: `num_attention_heads` heads of `qk_head_dim` (nope + rope)
+        for keys, of `v_head_dim` for values, whatever `num_key_value_heads` and `head_dim` (the rotary part)
+        say. Elsewhere a `v_head_dim` other than `head_dim` is the values' size (MiMo-V2-Flash)."""
         config = config.get_text_config()
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        value_dim = getattr(config, "v_head_dim", None)
+        nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+        if getattr(config, "kv_lora_rank", None) and nope is not None and rope is not None:
+            num_kv_heads, head_dim = num_heads, getattr(config, "qk_head_dim", None) or nope + rope
+        value_dim = value_dim if isinstance(value_dim, int) and value_dim != head_dim else None
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype, value_head_dim=value_dim)
 
     def bytes_per_block(self, block_size: int, layers_per_block: int) -> int:
         return 2 * layers_per_block * self.num_kv_heads * self.head_dim * self.dtype.itemsize * block_size
@@ -277,8 +297,11 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores `key`/`value` ([num_kv_heads, num_tokens, head_dim]) of `layer` at `slot_mapping` (on CPU
-        through the kernels' `write_rows` where they are built, else `index_copy_`)."""
+        through the kernels' `write_rows` where they are built, else `index_copy_`); values smaller than the keys
+        (`KVCacheSpec.value_head_dim`) are stored zero-padded to the keys' size."""
         key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
+        if value.shape[-1] != key.shape[-1]:
+            value = torch.nn.functional.pad(value, (0, key.shape[-1] - value.shape[-1]))
         writer = self._row_writer
         if (writer is not None and key.stride(-1) == 1 and value.stride(-1) == 1
                 and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):

@@ -100,17 +100,18 @@ def attention_sinks(module: torch.nn.Module, kwargs: Mapping[str, Any], num_head
 
 def check_kv_shape(layer: int, key: torch.Tensor, value: torch.Tensor, spec: KVCacheSpec) -> None:
     """Raises `UnsupportedModelError` if `key` or `value` [1, kv_heads, tokens, head_dim] does not fit the cache's
-    `spec` (one head size for keys and values)."""
+    `spec` (`shape_of` for keys; values of the same heads, of `value_dim_of`)."""
     heads, head_dim = key.shape[1], key.shape[-1]
     if (heads, head_dim) != spec.shape_of(layer):
         expected_heads, expected_size = spec.shape_of(layer)
         raise UnsupportedModelError(
             f"layer {layer} computes {heads} key/value heads of size {head_dim}, but the KV cache was sized from "
             f"the model's config for {expected_heads} of size {expected_size} (num_key_value_heads, head_dim)")
-    if value.shape[1] != heads or value.shape[-1] != head_dim:
+    if value.shape[1] != heads or value.shape[-1] != spec.value_dim_of(layer):
         raise UnsupportedModelError(
             f"layer {layer} computes values of {value.shape[1]} heads of size {value.shape[-1]} beside keys of "
-            f"{heads} of size {head_dim}; contbatch's paged KV cache holds keys and values of one shape")
+            f"{heads} of size {head_dim}, but the KV cache was sized from the model's config for values of "
+            f"{heads} heads of size {spec.value_dim_of(layer)} (v_head_dim, else head_dim)")
 
 
 def check_window(layer: int, sliding_window: int | None, kept: int | None) -> None:
@@ -208,7 +209,7 @@ def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
     (`per_layer_config`) gives its layers keys of different heads or head sizes (Gemma 4: 256 dimensions in its
     sliding layers, 512 in its full ones). Raises `UnsupportedModelError` for a config without attention heads
     (`num_attention_heads`: a state-space model such as Mamba or RWKV, whose layers keep a recurrent state
-    instead of keys and values)."""
+    instead of keys and values), and for values larger than the keys (`KVCacheSpec.value_head_dim`)."""
     config = cast(PretrainedConfig, model.config)
     text = config.get_text_config()
     if getattr(text, "num_attention_heads", None) is None:
@@ -216,7 +217,12 @@ def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
             f"{type(model).__name__}: its config has no attention heads (num_attention_heads); contbatch runs models "
             "that attend, and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
     if not getattr(text, "is_heterogeneous", False):
-        return KVCacheSpec.from_model_config(config, dtype)
+        spec = KVCacheSpec.from_model_config(config, dtype)
+        if spec.value_head_dim is not None and spec.value_head_dim > spec.head_dim:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: its config gives values of {spec.value_head_dim} dimensions (v_head_dim) "
+                f"and keys of {spec.head_dim}; contbatch's paged KV cache holds values no larger than the keys")
+        return spec
     shapes = []
     for layer in text.per_layer_config:
         heads = layer.num_attention_heads

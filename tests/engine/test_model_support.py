@@ -2,7 +2,7 @@
 through the cache (greedy equals `generate`, eager and compiled), gpt-oss's attention sinks are computed (every
 attention path); a model contbatch cannot compute exactly (its own attention code, state-space layers, sparse or
 compressed attention, bidirectional attention, attention inputs it does not implement, a config that misstates its
-KV heads, values of another size than the keys) fails each request with an
+KV heads) fails each request with an
 `UnsupportedModelError` naming what it does, never with wrong tokens, and leaves the pool whole."""
 
 from __future__ import annotations
