@@ -20,7 +20,7 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 # The tiny model families of `helpers.TINY_CONFIGS`, each a case of every test that takes `model_name`.
-TINY_FAMILIES = ("gemma2-softcap", "gemma3-hybrid", "llama", "mistral-sliding", "qwen2", "qwen3")
+TINY_FAMILIES = ("deepseek-mla", "gemma2-softcap", "gemma3-hybrid", "llama", "mistral-sliding", "qwen2", "qwen3")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
@@ -42,6 +43,11 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], **_COMMON
     ),
     "gemma2-softcap": lambda: Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=6, **_COMMON),
+    "deepseek-mla": lambda: DeepseekV3Config(  # multi-head latent attention: keys of 24 dimensions, values of 16
+        num_hidden_layers=2, **dict(_COMMON, num_key_value_heads=4), kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1),
 }
 assert sorted(TINY_CONFIGS) == sorted(TINY_FAMILIES), "conftest's model_name fixture names every family"
 

@@ -133,7 +133,7 @@ def test_a_sliding_group_copies_its_own_partial_block() -> None:
 SYSTEM = random_prompts([21], seed=60)[0]
 
 
-@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid"])
+@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid", "deepseek-mla"])
 def test_prompts_sharing_part_of_a_block_match_generate(model_name: str) -> None:
     model = tiny_model(model_name)
     suffixes = random_prompts([3, 9, 1, 14, 6, 11, 2, 8], seed=61)

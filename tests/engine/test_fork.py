@@ -17,7 +17,7 @@ def step_until(engine: LLMEngine, collector: OutputCollector, request_id: str, n
         engine.check_integrity()
 
 
-@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid", "mistral-sliding"])
+@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid", "mistral-sliding", "deepseek-mla"])
 def test_fork_during_decode_shares_blocks_and_continues_exactly(model_name: str) -> None:
     model = tiny_model(model_name)
     prompt = random_prompts([10], seed=80)[0]

@@ -88,13 +88,13 @@ SYSTEM = random_prompts([37], seed=40)[0]
 
 
 @pytest.mark.parametrize("caching", [True, False])
-@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid"])
+@pytest.mark.parametrize("model_name", ["llama", "gemma3-hybrid", "deepseek-mla"])
 def test_shared_prefix_parity_under_memory_pressure(model_name: str, caching: bool) -> None:
     model = tiny_model(model_name)
     prompts = [SYSTEM + suffix for suffix in random_prompts([3, 9, 1, 14, 6, 11, 2, 8], seed=41)]
     # One request needs at most ceil((51 + 10) / 8) = 8 blocks (Gemma 3: 8 for its full layers, and for its
     # sliding ones a window of 6 before a 24-token chunk, 5 blocks): one block more forces waiting and preemption.
-    num_blocks = {"llama": 9, "gemma3-hybrid": 14}[model_name]
+    num_blocks = {"llama": 9, "deepseek-mla": 9, "gemma3-hybrid": 14}[model_name]
     with make_engine(model, block_size=8, num_blocks=num_blocks, max_batch_tokens=24,
                      allow_block_sharing=caching) as engine:
         for index, prompt in enumerate(prompts):

@@ -72,7 +72,8 @@ def test_buckets_are_multiples_of_the_interval_at_most_a_quarter_over() -> None:
 
 @pytest.mark.parametrize("model_name", ["gemma3-hybrid", pytest.param("llama", marks=pytest.mark.slow),
                                         pytest.param("gemma2-softcap", marks=pytest.mark.slow),
-                                        pytest.param("mistral-sliding", marks=pytest.mark.slow)])
+                                        pytest.param("mistral-sliding", marks=pytest.mark.slow),
+                                        pytest.param("deepseek-mla", marks=pytest.mark.slow)])
 def test_varlen_steps_replayed_match_generate(model_name: str) -> None:
     """Prompts arriving over several steps, chunked by a small budget: varlen steps fall in recurring buckets,
     are captured on their second step and replayed after; greedy outputs equal generate's and the pool is
