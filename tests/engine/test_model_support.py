@@ -60,6 +60,9 @@ MORE_FAMILIES: dict[str, dict[str, object]] = {
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
                         pad_token_id=0),
     "gpt_bigcode": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=0.2),
+    "dbrx": dict(vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=1024, initializer_range=0.2,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
 }
 
 
