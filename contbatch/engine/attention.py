@@ -30,7 +30,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from contbatch.engine.attention_math import group_attention
-from contbatch.engine.attention_types import AttentionModule, visible_keys
+from contbatch.engine.attention_types import AttentionModule, KVShapeProbe, visible_keys
 from contbatch.engine.compile import COMPILED_MARKER, paged_attention_op
 from contbatch.engine.cpu_kernels import DecodeKernel, paged_decode_kernel
 from contbatch.engine.kv_cache import PagedKVCache
@@ -168,9 +168,11 @@ def paged_attention_forward(
     training forward, `generate`, a forward on another thread while a step runs), the call goes, arguments
     untouched, to the implementation the model had when contbatch attached (`own_attention`), so the model
     computes exactly what it computed before attaching."""
-    metadata: PagedAttentionMetadata | str | None = kwargs.get(METADATA_KWARG)
+    metadata: PagedAttentionMetadata | KVShapeProbe | str | None = kwargs.get(METADATA_KWARG)
     if metadata is None and getattr(_forward_state, "active", False):
         metadata = _forward_state.metadata  # a layer that drops the forward's keywords (StableLM's)
+    if isinstance(metadata, KVShapeProbe):
+        return metadata.record(module, query, key, value), None
     if metadata is None:
         prefix = kwargs.pop(SHARED_PREFIX_KWARG, None)
         if prefix is not None:
@@ -307,7 +309,7 @@ def paged_attention_mask(*args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def paged_forward(metadata: PagedAttentionMetadata | str) -> Iterator[None]:
+def paged_forward(metadata: PagedAttentionMetadata | KVShapeProbe | str) -> Iterator[None]:
     """Marks the current thread as running contbatch's forward of `metadata` (or `COMPILED_MARKER`) for the
     duration of the block: the mask builders then stand aside, and a layer whose call drops the forward's
     keywords attends with it; other threads' forwards are unaffected."""

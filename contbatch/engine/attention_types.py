@@ -86,3 +86,20 @@ def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor,
 def attention_policy(block_size: int, window: int | None) -> FullAttention:
     """The policy of a group whose layers attend within `window` tokens (None: full attention)."""
     return FullAttention(block_size) if window is None else SlidingWindow(block_size, window)
+
+
+@dataclass
+class KVShapeProbe:
+    """Passed as the attention metadata of a probing forward (`kv_probe.measure_kv_shapes`): each layer's
+    attention call records the layer's `(key/value heads, key head size, value head size)` in `shapes` and
+    returns zeros of its output's shape, attending nothing."""
+
+    shapes: dict[int, tuple[int, int, int]]
+
+    def record(self, module: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Records the call of `module` (a layer without a `layer_idx` is not recorded); returns
+        [batch, tokens, heads, value head size] zeros."""
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int):
+            self.shapes[layer] = (key.shape[1], key.shape[-1], value.shape[-1])
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])

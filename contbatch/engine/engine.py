@@ -25,6 +25,7 @@ from contbatch.engine.kv_cache import (
     resident_block_limit,
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
+from contbatch.engine.kv_probe import measure_kv_shapes
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.model_support import cache_spec, chunked_attention_limit
 from contbatch.engine.outputs import EngineStats, RequestDelta
@@ -72,7 +73,7 @@ class LLMEngine:
         self.generation_config = resolve_generation_config(generation_config, model.generation_config)
         check_supported(self.generation_config)
         device = next(model.parameters()).device
-        spec = cache_spec(model, next(model.parameters()).dtype)
+        spec = cache_spec(model, next(model.parameters()).dtype, measure_kv_shapes(model))
         groups = kv_cache_groups(model.config, spec)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(

@@ -11,8 +11,9 @@ tokens silently; these checks turn that into an `UnsupportedModelError` naming w
 - a model's config must not ask for ALiBi, which Falcon adds to its attention mask, nor for layers that keep a
   recurrent state (Mamba, short convolutions, linear attention; Falcon-H1's hybrid layers) (`check_config`,
   before the first forward);
-- a layer's keys and values must have the heads and head size its config gave the cache (`check_kv_shape`), and
-  a layer must not attend over more positions than its cache group keeps (`check_window`);
+- a layer's keys and values must have the heads and head sizes the cache was sized for (`check_kv_shape`: from
+  what the layers computed in the probing forward of `kv_probe`, else from the config), its values no larger
+  than its keys, and a layer must not attend over more positions than its cache group keeps (`check_window`);
 - a config must give attention heads (`cache_spec`: Mamba and RWKV have none), checked when the engine is built;
 - a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
   another form of attention sinks, a position bias, sparse attention's indices), nor attend bidirectionally
@@ -204,25 +205,38 @@ def _layer_types_error(name: str, layer_types: list[str], layers: list[int], ver
     return f"{name}: {_listed(layers)} of its config's layer_types ({kinds}) {verbs[len(layers) > 1]} {what}"
 
 
-def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
-    """`KVCacheSpec.from_model_config` of `model`'s config, with each layer's shape where a heterogeneous config
-    (`per_layer_config`) gives its layers keys of different heads or head sizes (Gemma 4: 256 dimensions in its
-    sliding layers, 512 in its full ones). Raises `UnsupportedModelError` for a config without attention heads
-    (`num_attention_heads`: a state-space model such as Mamba or RWKV, whose layers keep a recurrent state
-    instead of keys and values), and for values larger than the keys (`KVCacheSpec.value_head_dim`)."""
+def cache_spec(model: torch.nn.Module, dtype: torch.dtype,
+               measured: Mapping[int, tuple[int, int, int]] | None = None) -> KVCacheSpec:
+    """The KV cache's shapes for `model`: each layer's `(key/value heads, key head size, value head size)` as
+    `measured` (`kv_probe.measure_kv_shapes`: what the layers handed their attention function in a probing
+    forward) where that covers every layer, else as the config gives them (`KVCacheSpec.from_model_config`, or
+    a heterogeneous config's `per_layer_config`: Gemma 4's 256 dimensions in its sliding layers, 512 in its full
+    ones). Raises `UnsupportedModelError` for a config without attention heads (`num_attention_heads`: a
+    state-space model such as Mamba or RWKV, whose layers keep a recurrent state instead of keys and values), and
+    for a layer whose values are larger than its keys."""
     config = cast(PretrainedConfig, model.config)
     text = config.get_text_config()
+    name = type(model).__name__
     if getattr(text, "num_attention_heads", None) is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: its config has no attention heads (num_attention_heads); contbatch runs models "
+            f"{name}: its config has no attention heads (num_attention_heads); contbatch runs models "
             "that attend, and this one's layers keep a recurrent state instead, which a paged KV cache cannot hold")
-    if not getattr(text, "is_heterogeneous", False):
-        spec = KVCacheSpec.from_model_config(config, dtype)
-        if spec.value_head_dim is not None and spec.value_head_dim > spec.head_dim:
+    spec = _config_spec(config, dtype)
+    if measured and set(measured) == set(range(spec.num_layers)):
+        spec = _measured_spec(spec, measured)
+    for layer in range(spec.num_layers):
+        keys, values = spec.shape_of(layer)[1], spec.value_dim_of(layer)
+        if values > keys:
             raise UnsupportedModelError(
-                f"{type(model).__name__}: its config gives values of {spec.value_head_dim} dimensions (v_head_dim) "
-                f"and keys of {spec.head_dim}; contbatch's paged KV cache holds values no larger than the keys")
-        return spec
+                f"{name}: layer {layer}'s values have {values} dimensions and its keys {keys}; contbatch's paged KV "
+                "cache holds values no larger than the keys")
+    return spec
+
+
+def _config_spec(config: PretrainedConfig, dtype: torch.dtype) -> KVCacheSpec:
+    text = config.get_text_config()
+    if not getattr(text, "is_heterogeneous", False):
+        return KVCacheSpec.from_model_config(config, dtype)
     shapes = []
     for layer in text.per_layer_config:
         heads = layer.num_attention_heads
@@ -230,6 +244,22 @@ def cache_spec(model: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
                        getattr(layer, "head_dim", None) or layer.hidden_size // heads))
     largest = max(shapes, key=lambda shape: shape[0] * shape[1])
     return KVCacheSpec(len(shapes), *largest, dtype, tuple(shapes) if len(set(shapes)) > 1 else ())
+
+
+def _measured_spec(spec: KVCacheSpec, measured: Mapping[int, tuple[int, int, int]]) -> KVCacheSpec:
+    """The spec of `measured` shapes; `spec` (the config's) where the layers' value sizes differ from their keys'
+    in more than one way, which one `value_head_dim` cannot say (`check_kv_shape` then names the layer)."""
+    shapes = [measured[layer][:2] for layer in range(spec.num_layers)]
+    values = [measured[layer][2] for layer in range(spec.num_layers)]
+    if all(value == shape[1] for shape, value in zip(shapes, values, strict=True)):
+        value_dim = None
+    elif len(set(values)) == 1:
+        value_dim = values[0]
+    else:
+        return spec
+    largest = max(shapes, key=lambda shape: shape[0] * shape[1])
+    return KVCacheSpec(spec.num_layers, *largest, spec.dtype, tuple(shapes) if len(set(shapes)) > 1 else (),
+                       value_dim)
 
 
 def _listed(layers: Sequence[int]) -> str:

@@ -1,8 +1,7 @@
 """Models beyond the parity suite's families: a model whose layers drop the forward's keywords still attends
 through the cache (greedy equals `generate`, eager and compiled), gpt-oss's attention sinks are computed (every
 attention path); a model contbatch cannot compute exactly (its own attention code, state-space layers, sparse or
-compressed attention, bidirectional attention, attention inputs it does not implement, a config that misstates its
-KV heads) fails each request with an
+compressed attention, bidirectional attention, attention inputs it does not implement) fails each request with an
 `UnsupportedModelError` naming what it does, never with wrong tokens, and leaves the pool whole."""
 
 from __future__ import annotations
@@ -191,15 +190,6 @@ def test_attention_inputs_it_does_not_implement_are_refused_by_name() -> None:
                                                     r"per query head \(4\)"):
         attention_sinks(module, {"s_aux": torch.zeros(2, 4)}, 4)
     assert attention_sinks(module, {"s_aux": torch.zeros(4, dtype=torch.bfloat16)}, 4).dtype == torch.float32
-
-
-def test_a_config_that_misstates_the_kv_heads_fails_by_the_numbers() -> None:
-    """GPT-NeoX has no grouped-query attention; a stray num_key_value_heads in its config would size the cache for
-    2 heads where the layers compute 4."""
-    model = model_of_type("gpt_neox", **SMALL)
-    for error in run_prompts(model).values():
-        assert error == ("UnsupportedModelError: layer 0 computes 4 key/value heads of size 16, but the KV cache "
-                         "was sized from the model's config for 2 of size 16 (num_key_value_heads, head_dim)")
 
 
 def test_generate_batch_raises_for_an_unsupported_model() -> None:

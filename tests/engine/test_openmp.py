@@ -116,8 +116,8 @@ def test_async_batchings_forward_thread_keeps_no_pool_once_idle(two_threads: int
         forward_threads.add(threading.get_ident())
         parallel_region()
 
-    model.get_input_embeddings().register_forward_pre_hook(in_forward)
     manager = new_manager(model, use_async_batching=True)
+    model.get_input_embeddings().register_forward_pre_hook(in_forward)  # the steps' forwards, not the cache's probe
     manager.start()
     try:
         generate_four(manager)

@@ -151,8 +151,13 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
     model = fresh_tiny_model("llama")
     own, own_q = model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj
     seen: list[tuple[nn.Module, nn.Module]] = []
-    model.model.norm.register_forward_hook(
-        lambda *_: seen.append((model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj)))
+    probed: list[tuple[nn.Module, nn.Module]] = []  # the cache's probe: one token through the model as it is
+
+    def record(_: nn.Module, inputs: tuple[torch.Tensor, ...], __: object) -> None:
+        (probed if inputs[0].shape[1] == 1 else seen).append(
+            (model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj))
+
+    model.model.norm.register_forward_hook(record)
     prompts = random_prompts([9, 17, 4], seed=3)
     config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
     outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
@@ -161,6 +166,7 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
     assert seen and all(isinstance(head, PackedLinear) and head.weight is own.weight and head.max_rows == 0
                         and not head.panels and isinstance(q, PackedLinear) and q.weight is own_q.weight
                         and (q.max_rows, q.panels) == layer_kind for head, q in seen)
+    assert probed == [(own, own_q)]
     assert model.get_output_embeddings() is own and model.model.layers[0].self_attn.q_proj is own_q
     assert not any(isinstance(module, PackedLinear) for module in model.modules())
     for index, prompt in enumerate(prompts):
