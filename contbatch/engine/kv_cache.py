@@ -25,7 +25,9 @@ class KVCacheSpec:
     `value_head_dim`: the values' head size where it is smaller than the keys' (multi-head latent attention:
     DeepSeek-V2/V3's keys take 192 dimensions, their values 128), else None. Values are stored in planes of the
     keys' shape, zero-padded (`PagedKVCache.write`), so that every attention kernel reads one head size; the
-    attention's output is cut back to the values' size."""
+    attention's output is cut back to the values' size.
+
+    `measured`: the shapes are what the layers computed in a probing forward (`kv_probe`), not the config's."""
 
     num_layers: int
     num_kv_heads: int
@@ -33,6 +35,7 @@ class KVCacheSpec:
     dtype: torch.dtype
     layer_shapes: tuple[tuple[int, int], ...] = ()
     value_head_dim: int | None = None
+    measured: bool = False
 
     def shape_of(self, layer: int) -> tuple[int, int]:
         """`layer`'s (key/value heads, key head size)."""

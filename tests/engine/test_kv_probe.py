@@ -12,7 +12,9 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from contbatch.engine import engine as engine_module
+from contbatch.engine.kv_cache import KVCacheSpec
 from contbatch.engine.kv_probe import measure_kv_shapes
+from contbatch.engine.model_support import UnsupportedModelError, check_kv_shape
 from tests.helpers import (
     PROMPT_LENGTHS,
     SMALL,
@@ -51,7 +53,9 @@ def test_layers_the_config_misdescribes_are_measured_and_match_generate(
     assert measure_kv_shapes(model) == shapes
     assert model.config._attn_implementation == own, "the probe gives the model its attention back"
     with make_engine(model, num_blocks=16) as engine:
+        assert engine.cache.spec.measured
         assert [engine.cache.spec.shape_of(layer) for layer in shapes] == [shape[:2] for shape in shapes.values()]
+        assert [engine.cache.spec.value_dim_of(layer) for layer in shapes] == [shape[2] for shape in shapes.values()]
     results = run_prompts(model)
     references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
     assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
@@ -96,3 +100,16 @@ def test_a_measurement_that_misses_a_layer_leaves_the_config_to_size_the_cache()
     assert measure_kv_shapes(model) == {}
     for error in run_prompts(model).values():
         assert isinstance(error, str) and "0 of its 2 layers ran contbatch's paged attention" in error, error
+
+
+def test_a_layer_that_differs_from_its_measured_shape_is_named_with_the_measurement() -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, measured=True)
+    keys = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(UnsupportedModelError, match=r"^layer 1 computes 4 key/value heads of size 16, but the KV "
+                                                    r"cache was sized from the layers' shapes in the engine's probing "
+                                                    r"forward for 2 of size 16$"):
+        check_kv_shape(1, keys, keys, spec)
+    with pytest.raises(UnsupportedModelError, match=r"values of 2 heads of size 8 beside keys of 2 of size 16, but "
+                                                    r"the KV cache was sized from the layers' shapes in the engine's "
+                                                    r"probing forward for values of 2 heads of size 16$"):
+        check_kv_shape(1, keys[:, :2], keys[:, :2, :, :8], spec)
