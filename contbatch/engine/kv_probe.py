@@ -10,8 +10,6 @@ that failed, layers with their own attention code, which the first step then ref
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from transformers import PreTrainedModel
 
@@ -27,8 +25,7 @@ def measure_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int, int]]
     previous = model.config._attn_implementation
     remember_own_attention(model)
     probe = KVShapeProbe({})
-    device = cast(torch.nn.Embedding, model.get_input_embeddings()).weight.device
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    token = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
     try:
         model.set_attn_implementation(register_paged_attention())
         with torch.no_grad(), paged_forward(probe):
