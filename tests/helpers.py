@@ -8,6 +8,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 from transformers import (
     AutoConfig,
@@ -23,8 +24,10 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from contbatch import ContinuousBatchingConfig, LLMEngine
+from contbatch.engine import attention, triton_attention
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput, RequestStatus
 from tests.conftest import TINY_FAMILIES
@@ -159,3 +162,21 @@ def run_threads(target: Callable[[int], None], count: int, timeout: float = 120)
         thread.start()
     for thread in threads:
         thread.join(timeout=timeout)
+
+
+def needs_model_type(model_type: str) -> None:
+    """Skips the test on a transformers release without `model_type`."""
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {model_type}")
+
+
+def use_attention_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the engines of the test attend through `path`: "gathered keys" (no CPU kernel: gathered K/V and
+    SDPA), "triton" (the Triton kernel, under its interpreter on a CPU; skips without Triton); any other path
+    (the CPU kernel, compiled, a dtype) needs nothing here."""
+    if path == "gathered keys":
+        monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
+    if path == "triton":
+        if not triton_attention.available():
+            pytest.skip("Triton is not installed")
+        monkeypatch.setenv(triton_attention.KERNEL_ENV, "triton")

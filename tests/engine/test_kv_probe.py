@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from contbatch.engine import engine as engine_module
 from contbatch.engine.kv_cache import KVCacheSpec
@@ -20,6 +19,7 @@ from tests.helpers import (
     SMALL,
     make_engine,
     model_of_type,
+    needs_model_type,
     random_prompts,
     reference_generate,
     run_prompts,
@@ -39,15 +39,10 @@ MEASURED = [
 ]
 
 
-def _needs(model_type: str) -> None:
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"this transformers has no {model_type}")
-
-
 @pytest.mark.parametrize(("model_type", "config", "shapes"), MEASURED, ids=[case[0] for case in MEASURED])
 def test_layers_the_config_misdescribes_are_measured_and_match_generate(
         model_type: str, config: dict[str, object], shapes: dict[int, tuple[int, int, int]]) -> None:
-    _needs(model_type)
+    needs_model_type(model_type)
     model = model_of_type(model_type, **config)
     own = model.config._attn_implementation
     assert measure_kv_shapes(model) == shapes
@@ -65,7 +60,7 @@ def test_layers_the_config_misdescribes_are_measured_and_match_generate(
 
 def test_mimo_sliding_layers_attend_with_their_sinks() -> None:
     """The sliding layers' sinks (`s_aux`) change the tokens, so the match above computed them."""
-    _needs("mimo_v2_flash")
+    needs_model_type("mimo_v2_flash")
     model = model_of_type("mimo_v2_flash", **MIMO)
     with torch.no_grad():
         model.model.layers[1].self_attn.sinks.normal_(3.0, 2.0, generator=torch.Generator().manual_seed(1))

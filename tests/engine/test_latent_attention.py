@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from contbatch.engine import attention, triton_attention
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
 from contbatch.engine.model_support import UnsupportedModelError
 from tests.helpers import (
@@ -19,9 +17,11 @@ from tests.helpers import (
     SMALL,
     make_engine,
     model_of_type,
+    needs_model_type,
     random_prompts,
     reference_generate,
     run_prompts,
+    use_attention_path,
 )
 
 MLA = dict(SMALL, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
@@ -42,11 +42,6 @@ MIMO = dict(SMALL, head_dim=24, v_head_dim=16, n_routed_experts=4, num_experts_p
             initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
-def _needs(model_type: str) -> None:
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"this transformers has no {model_type}")
-
-
 def _assert_matches_generate(model: torch.nn.Module, **engine_config: object) -> None:
     results = run_prompts(model, **engine_config)
     references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
@@ -58,7 +53,7 @@ def _assert_matches_generate(model: torch.nn.Module, **engine_config: object) ->
 @pytest.mark.parametrize("model_type", sorted(MLA_FAMILIES))
 def test_latent_attention_families_match_generate(model_type: str) -> None:
     """Mixed lengths, chunked prefill and decode in one engine (4-token blocks, 24-token budget), CPU kernel."""
-    _needs(model_type)
+    needs_model_type(model_type)
     _assert_matches_generate(model_of_type(model_type, **MLA_FAMILIES[model_type]))
 
 
@@ -67,12 +62,7 @@ def test_latent_attention_matches_generate_on_every_path(path: str, monkeypatch:
     """DeepSeek-V3 through the gathered keys' SDPA, compiled (the op's output takes the values' size), the
     Triton kernel (its interpreter on a CPU), and in bfloat16 (against `generate` in bfloat16)."""
     torch._dynamo.reset()
-    if path == "gathered keys":
-        monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
-    if path == "triton":
-        if not triton_attention.available():
-            pytest.skip("Triton is not installed")
-        monkeypatch.setenv(triton_attention.KERNEL_ENV, "triton")
+    use_attention_path(path, monkeypatch)
     model = model_of_type("deepseek_v3", **MLA)
     if path == "bfloat16":
         model = model.to(torch.bfloat16)
@@ -81,7 +71,7 @@ def test_latent_attention_matches_generate_on_every_path(path: str, monkeypatch:
 
 def test_values_smaller_than_the_keys_match_generate() -> None:
     """MiMo-V2-Flash's full-attention layers: keys of 24 dimensions, values of 16 (its own projection)."""
-    _needs("mimo_v2_flash")
+    needs_model_type("mimo_v2_flash")
     _assert_matches_generate(model_of_type("mimo_v2_flash", **dict(MIMO, layer_types=["full_attention"] * 2)))
 
 
@@ -96,7 +86,7 @@ def test_the_cache_is_sized_from_the_key_and_value_fields(model_type: str,
                                                           expected: tuple[int, int, int, int | None]) -> None:
     """The released configs: latent attention's keys have every attention head, of nope + rope dimensions, whatever
     `num_key_value_heads` and `head_dim` say; `value_head_dim` is set only where values are smaller."""
-    _needs(model_type)
+    needs_model_type(model_type)
     spec = KVCacheSpec.from_model_config(AutoConfig.for_model(model_type), torch.bfloat16)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.value_head_dim) == expected
     assert spec.value_dim_of(0) == (expected[3] or expected[2])
@@ -116,7 +106,7 @@ def test_values_are_stored_zero_padded_and_read_back() -> None:
 
 
 def test_values_larger_than_the_keys_are_refused_when_the_engine_is_built() -> None:
-    _needs("mimo_v2_flash")
+    needs_model_type("mimo_v2_flash")
     model = model_of_type("mimo_v2_flash", **dict(MIMO, head_dim=16, v_head_dim=24))
     with pytest.raises(UnsupportedModelError, match=r"^MiMoV2FlashForCausalLM: layer 0's values have 24 dimensions "
                                                     r"and its keys 16; contbatch's paged KV cache holds values no "

@@ -13,7 +13,6 @@ from packaging.version import Version
 from transformers import GenerationConfig
 
 from contbatch import generate_batch
-from contbatch.engine import attention, triton_attention
 from contbatch.engine.model_support import (
     UnsupportedModelError,
     attention_sinks,
@@ -29,6 +28,7 @@ from tests.helpers import (
     reference_generate,
     run_engine,
     run_prompts,
+    use_attention_path,
 )
 
 # Families beyond the parity suite's (tests/helpers.py), each as transformers 5 builds it; weights large enough
@@ -160,12 +160,7 @@ def test_attention_sinks_match_generate(path: str, monkeypatch: pytest.MonkeyPat
     layers: through the CPU kernel, through the gathered keys' written-out attention, compiled, and through the
     Triton kernel (its interpreter on a CPU)."""
     torch._dynamo.reset()
-    if path == "gathered keys":
-        monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
-    if path == "triton":
-        if not triton_attention.available():
-            pytest.skip("Triton is not installed")
-        monkeypatch.setenv(triton_attention.KERNEL_ENV, "triton")
+    use_attention_path(path, monkeypatch)
     model = model_of_type("gpt_oss", **GPT_OSS)
     with torch.no_grad():
         for layer in model.model.layers:

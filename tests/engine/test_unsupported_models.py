@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers
 from transformers import AutoConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from contbatch.engine.model_support import UnsupportedModelError, check_attention_kwargs
 from tests.helpers import (
@@ -19,6 +18,7 @@ from tests.helpers import (
     SMALL,
     make_engine,
     model_of_type,
+    needs_model_type,
     random_prompts,
     reference_generate,
     run_prompts,
@@ -58,7 +58,7 @@ def test_sparse_or_compressed_attention_layers_fail_their_requests_by_name(model
     """DeepSeek-V4 attends over compressed keys beside its window, which contbatch's paged attention does not compute;
     HY-V4's indexer reads the attention mask contbatch leaves out (its requests failed with a TypeError). Any
     layer type but full, sliding and chunked attention is refused by the config."""
-    _needs(model_type)
+    needs_model_type(model_type)
     model = model_of_type(model_type, **ATTENTION_CONFIG)
     for error in run_prompts(model).values():
         assert error == (f"UnsupportedModelError: {type(model).__name__}: {layers} of its config's layer_types "
@@ -103,11 +103,6 @@ def test_a_decoder_that_numbers_its_tokens_itself_fails_its_requests_by_name(mod
         assert error == (f"UnsupportedModelError: {type(model).__name__}: its decoder ({decoder}) takes no "
                          "position_ids and numbers its tokens itself, from its cache's length; contbatch's steps "
                          "pack many requests' tokens, each at its own position"), error
-
-
-def _needs(model_type: str) -> None:
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
 BERT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
@@ -159,7 +154,7 @@ def test_gemma4_matches_generate(variant: dict[str, object]) -> None:
     `num_global_key_value_heads`. Where those differ from the sliding layers', each layer's keys take their own
     shape in the cache (before, reading the config's `head_dim` raised transformers' ambiguity error). Its later
     layers may read the keys of earlier ones (`num_kv_shared_layers`), or its keys double as values."""
-    _needs("gemma4_text")
+    needs_model_type("gemma4_text")
     model = model_of_type("gemma4_text", **{"global_head_dim": 16, **GEMMA4, **variant})
     references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
     assert len({token for tokens in references for token in tokens}) >= 5, "a degenerate model proves nothing"
@@ -175,7 +170,7 @@ MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000
 
 
 def _vision_language_model(model_type: str, **config: object) -> transformers.PreTrainedModel:
-    _needs(model_type)
+    needs_model_type(model_type)
     torch.manual_seed(1234)
     model = transformers.AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **config))
     model.generation_config.eos_token_id = None
