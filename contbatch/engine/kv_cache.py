@@ -47,13 +47,22 @@ class KVCacheSpec:
 
     @classmethod
     def from_model_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> KVCacheSpec:
-        """The spec a config states for layers that are alike: `num_key_value_heads` heads of `head_dim`. The
-        engine sizes its cache from what the layers compute where it can measure that (`kv_probe`)."""
+        """The spec a config states for layers that are alike (the engine takes the shapes its probing forward
+        measures, `kv_probe`, and this where that fails). Multi-head latent attention (a config with `kv_lora_rank`,
+        `qk_nope_head_dim` and `qk_rope_head_dim`: DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite...) expands its latent
+        into keys and values of every attention head: `num_attention_heads` heads of `qk_head_dim` (nope + rope)
+        for keys, of `v_head_dim` for values, whatever `num_key_value_heads` and `head_dim` (the rotary part)
+        say. Elsewhere a `v_head_dim` other than `head_dim` is the values' size (MiMo-V2-Flash)."""
         config = config.get_text_config()
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        value_dim = getattr(config, "v_head_dim", None)
+        nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+        if getattr(config, "kv_lora_rank", None) and nope is not None and rope is not None:
+            num_kv_heads, head_dim = num_heads, getattr(config, "qk_head_dim", None) or nope + rope
+        value_dim = value_dim if isinstance(value_dim, int) and value_dim != head_dim else None
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype, value_head_dim=value_dim)
 
     def bytes_per_block(self, block_size: int, layers_per_block: int) -> int:
         return 2 * layers_per_block * self.num_kv_heads * self.head_dim * self.dtype.itemsize * block_size

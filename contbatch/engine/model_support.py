@@ -115,7 +115,7 @@ def check_kv_shape(layer: int, key: torch.Tensor, value: torch.Tensor, spec: KVC
         raise UnsupportedModelError(
             f"layer {layer} computes values of {value.shape[1]} heads of size {value.shape[-1]} beside keys of "
             f"{heads} of size {head_dim}, but the KV cache was sized {source} for values of {heads} heads of size "
-            f"{spec.value_dim_of(layer)}")
+            f"{spec.value_dim_of(layer)}" + ("" if spec.measured else " (v_head_dim, else head_dim)"))
 
 
 def check_window(layer: int, sliding_window: int | None, kept: int | None) -> None:

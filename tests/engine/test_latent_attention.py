@@ -1,15 +1,17 @@
 """Values of another head size than the keys: multi-head latent attention (DeepSeek-V2/V3 and the families built
 on it) expands its latent into keys of `qk_nope_head_dim + qk_rope_head_dim` and values of `v_head_dim` for every
 attention head, and MiMo-V2-Flash projects values smaller than its keys. The cache is sized from what the layers
-compute (`kv_probe`), the values stored zero-padded to the keys' size, and greedy tokens equal `generate`'s on every
-attention path; before, each of these models failed its requests (a shape check, or a cache sized from `head_dim`,
-the rotary part)."""
+compute (`kv_probe`), or from those fields where that cannot be measured, the values stored zero-padded to the keys'
+size, and greedy tokens equal `generate`'s on every attention path; before, each of these models failed its
+requests (a shape check, or a cache sized from `head_dim`, the rotary part)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
+from contbatch.engine import engine as engine_module
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
 from contbatch.engine.model_support import UnsupportedModelError
 from tests.helpers import (
@@ -63,12 +65,15 @@ def test_latent_attention_families_match_generate(model_type: str) -> None:
     _assert_matches_generate(model)
 
 
-@pytest.mark.parametrize("path", ["gathered keys", "compiled", "triton", "bfloat16"])
+@pytest.mark.parametrize("path", ["gathered keys", "compiled", "triton", "bfloat16", "config's shapes"])
 def test_latent_attention_matches_generate_on_every_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSeek-V3 through the gathered keys' SDPA, compiled (the op's output takes the values' size), the
-    Triton kernel (its interpreter on a CPU), and in bfloat16 (against `generate` in bfloat16)."""
+    Triton kernel (its interpreter on a CPU), in bfloat16 (against `generate` in bfloat16), and with the cache
+    sized from the config's fields, as where the probing forward measures nothing."""
     torch._dynamo.reset()
     use_attention_path(path, monkeypatch)
+    if path == "config's shapes":
+        monkeypatch.setattr(engine_module, "measure_kv_shapes", lambda model: {})
     model = model_of_type("deepseek_v3", **MLA)
     if path == "bfloat16":
         model = model.to(torch.bfloat16)
@@ -79,6 +84,24 @@ def test_values_smaller_than_the_keys_match_generate() -> None:
     """MiMo-V2-Flash's full-attention layers: keys of 24 dimensions, values of 16 (its own projection)."""
     needs_model_type("mimo_v2_flash")
     _assert_matches_generate(model_of_type("mimo_v2_flash", **dict(MIMO, layer_types=["full_attention"] * 2)))
+
+
+@pytest.mark.parametrize(("model_type", "expected"), [
+    ("deepseek_v3", (61, 128, 192, 128)),
+    ("minicpm3", (62, 40, 96, 64)),
+    ("glm4_moe_lite", (47, 20, 256, None)),
+    ("mimo_v2_flash", (48, 4, 192, 128)),
+    ("llama", (32, 32, 128, None)),
+])
+def test_the_configs_spec_reads_the_key_and_value_fields(model_type: str,
+                                                          expected: tuple[int, int, int, int | None]) -> None:
+    """The spec a config gives where no probing forward measured the layers, on the released configs: latent
+    attention's keys have every attention head, of nope + rope dimensions, whatever `num_key_value_heads` and
+    `head_dim` say; `value_head_dim` is set only where values are smaller."""
+    needs_model_type(model_type)
+    spec = KVCacheSpec.from_model_config(AutoConfig.for_model(model_type), torch.bfloat16)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.value_head_dim) == expected
+    assert spec.value_dim_of(0) == (expected[3] or expected[2])
 
 
 def test_values_are_stored_zero_padded_and_read_back() -> None:
