@@ -11,6 +11,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, generate_batch
+from contbatch.engine.attention import METADATA_KWARG
+from contbatch.engine.attention_types import KVShapeProbe
 from contbatch.engine.outputs import EventType, RequestDelta
 from contbatch.frontend.output_processor import OutputCollector
 from contbatch.outputs import GenerationOutput, PromptLogprob
@@ -60,7 +62,8 @@ def count_kept_rows(model: PreTrainedModel) -> tuple[list[int], torch.utils.hook
     kept: list[int] = []
 
     def hook(_: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        kept.append(len(kwargs["logits_to_keep"]))
+        if not isinstance(kwargs.get(METADATA_KWARG), KVShapeProbe):  # the cache's probe keeps its one row
+            kept.append(len(kwargs["logits_to_keep"]))
 
     return kept, model.register_forward_pre_hook(hook, with_kwargs=True)
 
