@@ -179,7 +179,7 @@ def paged_attention_forward(
             return shared_prefix_attention(_own_attention_function(module), own_attention(module.config) or "",
                                            module, query, key, value, attention_mask, prefix, *args, **kwargs)
         return _own_attention_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
-    check_attention_kwargs(cast(torch.nn.Module, module), kwargs)
+    check_attention_kwargs(cast(torch.nn.Module, module), kwargs, attention_mask)
     scaling, window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     sinks = attention_sinks(cast(torch.nn.Module, module), kwargs, query.shape[1])
     if metadata == COMPILED_MARKER:  # inside a compiled forward: one opaque op, the metadata is the step's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -27,7 +27,7 @@ from contbatch.engine.kv_cache import (
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.kv_probe import measure_kv_shapes
 from contbatch.engine.model_runner import ModelRunner
-from contbatch.engine.model_support import cache_spec, chunked_attention_limit
+from contbatch.engine.model_support import cache_spec, chunked_attention_limit, input_vocab_size
 from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.packed_weights import pending_packed_bytes
 from contbatch.engine.request import Request
@@ -73,6 +73,7 @@ class LLMEngine:
         self.generation_config = resolve_generation_config(generation_config, model.generation_config)
         check_supported(self.generation_config)
         device = next(model.parameters()).device
+        vocab_size = input_vocab_size(model)
         spec = cache_spec(model, next(model.parameters()).dtype, measure_kv_shapes(model))
         groups = kv_cache_groups(model.config, spec)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
@@ -98,7 +99,7 @@ class LLMEngine:
         self.beam_search = BeamSearch(self.scheduler)
         self.device = device
         text_config = model.config.get_text_config()
-        self.vocab_size = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
+        self.vocab_size = vocab_size
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
         self.chunk_limit = chunked_attention_limit(model.config)
         self.model = model

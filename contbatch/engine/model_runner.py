@@ -36,7 +36,7 @@ from contbatch.engine.head_buffer import reusing_logits
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
-from contbatch.engine.model_support import check_attended, check_config, check_positions
+from contbatch.engine.model_support import check_attended, check_config, check_logits_kept, check_positions
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.packed_weights import packed_forward, weights_changed
 from contbatch.engine.prompt_logprobs import prompt_logprobs, prompt_rows
@@ -154,13 +154,14 @@ class ModelRunner:
 
     def _forward(self, path: str, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata) -> torch.Tensor:
         """The model's forward over a packed batch (compiled when `path` is); returns logits [rows, vocab]. The
-        weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs
-        them itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`), and in the
-        engine's steps (`screen_allowed`) may leave large logits in the thread's reused buffer (`reusing_logits`).
-        Until one forward has shown every layer attending through contbatch (`check_attended`) and the positions
-        taken (`check_positions`), each raises `UnsupportedModelError` when not, or, before it runs, when the
-        model's config asks for what the paged attention cannot reproduce (`check_config`: ALiBi, layers that keep
-        a recurrent state, other attention than full, sliding or chunked)."""
+        weights go through their packed copies (`packed_forward`) except in a frozen graph, where inductor packs them
+        itself; an eager CPU forward runs the norms and MLP gating fused (`fused_forward`), and in the engine's
+        steps (`screen_allowed`) may leave large logits in the thread's reused buffer (`reusing_logits`). Until
+        one forward has shown every layer attending through contbatch (`check_attended`), the positions taken
+        (`check_positions`) and only the kept rows' logits returned (`check_logits_kept`), each raises
+        `UnsupportedModelError` when not, or, before it runs, when the model's config asks for what the paged
+        attention cannot reproduce (`check_config`: ALiBi, layers that keep a recurrent state, other attention
+        than full, sliding or chunked)."""
         compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
         frozen = compiled is not None and compiled.freezes_weights
         fused = compiled is None and self.device.type == "cpu"
@@ -178,6 +179,7 @@ class ModelRunner:
         if not self.attention_checked:
             check_attended(self.model, metadata.attended, self.cache.spec.num_layers)
             check_positions(self.model)
+            check_logits_kept(self.model, output.logits.shape[-2], len(inputs["logits_to_keep"]))
             self.attention_checked = True
         return output.logits[0]
 

@@ -7,7 +7,8 @@ before 5.25) or keep a recurrent state (Mamba and hybrid layers) would attend wi
 tokens silently; these checks turn that into an `UnsupportedModelError` naming what the model does:
 - every layer of the cache must run the paged attention exactly once in the engine's first forward
   (`check_attended`, from the layers `PagedAttentionMetadata.attended` records), and then the model's decoder must
-  take the tokens' positions (`check_positions`: BART's numbers them itself);
+  take the tokens' positions (`check_positions`: BART's numbers them itself) and its forward return only the
+  logits asked for (`check_logits_kept`: Whisper's decoder returns every token's);
 - a model's config must not ask for ALiBi, which Falcon adds to its attention mask, nor for layers that keep a
   recurrent state (Mamba, short convolutions, linear attention; Falcon-H1's hybrid layers) (`check_config`,
   before the first forward);
@@ -17,7 +18,8 @@ tokens silently; these checks turn that into an `UnsupportedModelError` naming w
 - a config must give attention heads (`cache_spec`: Mamba and RWKV have none), checked when the engine is built;
 - a layer must not pass attention inputs the paged attention does not implement (`check_attention_kwargs`:
   another form of attention sinks, a position bias, sparse attention's indices), nor attend bidirectionally
-  (`is_causal` False, as an encoder's layers do); gpt-oss's sinks (`s_aux`) it implements (`attention_sinks`).
+  (`is_causal` False, as an encoder's layers do), nor pass a mask of its own making (Doge's dynamic mask);
+  gpt-oss's sinks (`s_aux`) it implements (`attention_sinks`).
 """
 
 from __future__ import annotations
@@ -65,11 +67,15 @@ def chunked_attention_limit(config: PretrainedConfig) -> int | None:
     return getattr(text, "attention_chunk_size", None)
 
 
-def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any],
+                           attention_mask: torch.Tensor | None = None) -> None:
     """Raises `UnsupportedModelError` if the attention function's keywords hold an input it does not implement,
     or if the layer attends bidirectionally: its `is_causal` keyword, else its module's `is_causal` attribute, is
     False (transformers' own attention functions read them in that order), as an encoder's layers do (BERT and
-    its kin unless their config says `is_decoder=True`) and a prefix LM's over its prompt (PaliGemma)."""
+    its kin unless their config says `is_decoder=True`) and a prefix LM's over its prompt (PaliGemma); or if the
+    layer passes an `attention_mask` of its own making: inside contbatch's forward every mask builder of
+    transformers returns None (`paged_attention_mask`), so a mask is one the layer built, a bias over keys
+    (Doge's dynamic mask) or masking contbatch's does not apply."""
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
@@ -83,6 +89,10 @@ def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -
             raise UnsupportedModelError(
                 f"{type(module).__name__} passes '{name}' ({UNSUPPORTED_ATTENTION_KWARGS[name]}) to its attention "
                 f"function, which contbatch's paged attention does not implement")
+    if attention_mask is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes an attention mask of its own making to its attention function (a bias "
+            "or masking over the keys), which contbatch's paged attention does not apply")
 
 
 def attention_sinks(module: torch.nn.Module, kwargs: Mapping[str, Any], num_heads: int) -> torch.Tensor | None:
@@ -200,6 +210,31 @@ def check_positions(model: torch.nn.Module) -> None:
             f"{type(model).__name__}: its decoder ({type(decoder).__name__}) takes no position_ids and numbers its "
             "tokens itself, from its cache's length; contbatch's steps pack many requests' tokens, each at its own "
             "position")
+
+
+def check_logits_kept(model: torch.nn.Module, rows: int, kept: int) -> None:
+    """Raises `UnsupportedModelError` for a model whose forward returned logits of `rows` rows where `kept` were
+    asked for (`logits_to_keep`, the rows each request samples or scores from): its forward takes no
+    `logits_to_keep` (Whisper's decoder as a causal LM) and returns every packed token's logits, whose first rows
+    are not the requests' last tokens."""
+    if rows != kept:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its forward returned logits for {rows} tokens where {kept} were asked for "
+            "(logits_to_keep): it computes every token's logits, and contbatch reads the requests' own rows from "
+            "what the forward keeps")
+
+
+def input_vocab_size(model: torch.nn.Module) -> int:
+    """How many token ids `model` takes: its input embeddings' rows. Raises `UnsupportedModelError` where those are
+    not one table of token ids (MusicGen's decoder embeds one token per codebook a position)."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    size = getattr(embeddings, "num_embeddings", None)
+    if not isinstance(size, int):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its input embeddings ({type(embeddings).__name__}) are not one table of token "
+            "ids; contbatch runs models that take one token id a position")
+    return size
 
 
 def _layer_types_error(name: str, layer_types: list[str], layers: list[int], verbs: tuple[str, str],

@@ -199,3 +199,50 @@ def test_qwen25_vl_matches_generate_on_text_prompts() -> None:
     results = run_prompts(model, num_blocks=64)
     for index, reference in enumerate(references):
         assert results[str(index)] == reference, index
+
+
+WHISPER = dict(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_target_positions=1024,
+               max_source_positions=64, num_mel_bins=16, init_std=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+               decoder_start_token_id=0, begin_suppress_tokens=None, suppress_tokens=None)
+
+
+def test_a_forward_that_returns_every_tokens_logits_fails_its_requests_by_name() -> None:
+    """Whisper's decoder as a causal LM takes no `logits_to_keep`: it returned every packed token's logits, whose
+    first rows contbatch read as the requests' own, and gave other tokens than `generate`."""
+    needs_model_type("whisper")
+    errors = run_prompts(model_of_type("whisper", **WHISPER))
+    assert errors["0"] == ("UnsupportedModelError: WhisperForCausalLM: its forward returned logits for 24 tokens where "
+                           "2 were asked for (logits_to_keep): it computes every token's logits, and contbatch reads "
+                           "the requests' own rows from what the forward keeps")
+    for error in errors.values():
+        assert isinstance(error, str) and error.startswith("UnsupportedModelError: WhisperForCausalLM: its forward "
+                                                           "returned logits for "), error
+
+
+def test_a_layer_that_builds_its_own_mask_fails_its_requests_by_name() -> None:
+    """Doge's layers add a learned bias over the keys (and mask all but the top keys) through the attention mask
+    they build themselves; contbatch attended without it and gave other tokens than `generate` once the bias
+    varies (a trained model's; at initialisation it is constant)."""
+    needs_model_type("doge")
+    model = model_of_type("doge", **dict(ATTENTION_CONFIG, num_experts=16, num_experts_per_tok=2))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
+    for error in run_prompts(model).values():
+        assert error == ("UnsupportedModelError: DogeAttention passes an attention mask of its own making to its "
+                         "attention function (a bias or masking over the keys), which contbatch's paged attention "
+                         "does not apply"), error
+    with pytest.raises(UnsupportedModelError, match=r"^Module passes an attention mask of its own making"):
+        check_attention_kwargs(torch.nn.Module(), {}, torch.zeros(1, 1, 1, 1))
+
+
+def test_input_embeddings_that_are_not_one_table_are_refused_when_the_engine_is_built() -> None:
+    """MusicGen's decoder embeds one token per codebook a position (a `ModuleList` of tables): building the engine
+    raised an AttributeError about `num_embeddings`."""
+    model = model_of_type("llama", **SMALL)
+    model.get_input_embeddings = lambda: torch.nn.ModuleList()  # type: ignore[method-assign]
+    with pytest.raises(UnsupportedModelError, match=r"^LlamaForCausalLM: its input embeddings \(ModuleList\) are not "
+                                                    r"one table of token ids"):
+        make_engine(model, num_blocks=16)
+    assert model.config._attn_implementation != "contbatch_paged", "refused before contbatch attached"
