@@ -113,19 +113,25 @@ def check_kv_shape(layer: int, key: torch.Tensor, value: torch.Tensor, spec: KVC
     """Raises `UnsupportedModelError` if `key` or `value` [1, kv_heads, tokens, head_dim] does not fit the cache's
     `spec` (`shape_of` for keys; values of the same heads, of `value_dim_of`)."""
     heads, head_dim = key.shape[1], key.shape[-1]
-    source = ("from the layers' shapes in the engine's probing forward" if spec.measured
-              else "from the model's config")
     if (heads, head_dim) != spec.shape_of(layer):
         expected_heads, expected_size = spec.shape_of(layer)
         raise UnsupportedModelError(
-            f"layer {layer} computes {heads} key/value heads of size {head_dim}, but the KV cache was sized {source} "
-            f"for {expected_heads} of size {expected_size}" + ("" if spec.measured else
-                                                               " (num_key_value_heads, head_dim)"))
+            f"layer {layer} computes {heads} key/value heads of size {head_dim}, but the KV cache was sized "
+            f"{_sized_from(spec)} for {expected_heads} of size {expected_size}"
+            + _config_fields(spec, "num_key_value_heads, head_dim"))
     if value.shape[1] != heads or value.shape[-1] != spec.value_dim_of(layer):
         raise UnsupportedModelError(
             f"layer {layer} computes values of {value.shape[1]} heads of size {value.shape[-1]} beside keys of "
-            f"{heads} of size {head_dim}, but the KV cache was sized {source} for values of {heads} heads of size "
-            f"{spec.value_dim_of(layer)}" + ("" if spec.measured else " (v_head_dim, else head_dim)"))
+            f"{heads} of size {head_dim}, but the KV cache was sized {_sized_from(spec)} for values of {heads} heads "
+            f"of size {spec.value_dim_of(layer)}" + _config_fields(spec, "v_head_dim, else head_dim"))
+
+
+def _sized_from(spec: KVCacheSpec) -> str:
+    return "from the layers' shapes in the engine's probing forward" if spec.measured else "from the model's config"
+
+
+def _config_fields(spec: KVCacheSpec, fields: str) -> str:
+    return "" if spec.measured else f" ({fields})"
 
 
 def check_window(layer: int, sliding_window: int | None, kept: int | None) -> None:
