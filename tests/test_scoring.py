@@ -54,7 +54,7 @@ def test_scores_equal_a_plain_forward_and_greedy_continuations_are_recognised(na
 
 
 def count_computed_tokens(model: PreTrainedModel) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
-    """The tokens of each forward of `model` but the KV cache's probe (one token, when an engine is built)."""
+    """The tokens of each forward of `model` but the KV cache's probe (two tokens, when an engine is built)."""
     counts: list[int] = []
 
     def hook(_: torch.nn.Module, args: tuple, kwargs: dict) -> None:

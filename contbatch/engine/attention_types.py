@@ -7,7 +7,7 @@ which blocks a cached prefix must have for a request to start after it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -88,13 +88,22 @@ def attention_policy(block_size: int, window: int | None) -> FullAttention:
     return FullAttention(block_size) if window is None else SlidingWindow(block_size, window)
 
 
+TWIN_KEY_TOLERANCE = 0.05
+"""Two equal tokens at one position whose keys differ by more than this share of the keys' largest magnitude were
+numbered apart by the model itself: far above rounding (bfloat16's is 0.4%), far below what one position of RoPE or
+a learned position embedding moves."""
+
+
 @dataclass
 class KVShapeProbe:
-    """Passed as the attention metadata of a probing forward (`kv_probe.measure_kv_shapes`): each layer's
-    attention call records the layer's `(key/value heads, key head size, value head size)` in `shapes` and
-    returns zeros of its output's shape, attending nothing."""
+    """Passed as the attention metadata of a probing forward (`kv_probe.probe_layers`): each layer's attention call
+    records the layer's `(key/value heads, key head size, value head size)` in `shapes` and returns zeros of its
+    output's shape, attending nothing. In a forward of equal tokens given one position, a layer whose keys differ
+    between the tokens (`TWIN_KEY_TOLERANCE`) goes into `renumbered`: the model told the tokens apart by something
+    else than their id and position (it numbers them itself, or mixes tokens outside its attention)."""
 
     shapes: dict[int, tuple[int, int, int]]
+    renumbered: set[int] = field(default_factory=set)
 
     def record(self, module: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Records the call of `module` (a layer without a `layer_idx` is not recorded); returns
@@ -102,4 +111,12 @@ class KVShapeProbe:
         layer = getattr(module, "layer_idx", None)
         if isinstance(layer, int):
             self.shapes[layer] = (key.shape[1], key.shape[-1], value.shape[-1])
+            if key.shape[2] > 1 and _twins_differ(key.detach().float()):
+                self.renumbered.add(layer)
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+
+
+def _twins_differ(key: torch.Tensor) -> bool:
+    """Whether `key` [batch, heads, tokens, head size] differs between its tokens beyond `TWIN_KEY_TOLERANCE`."""
+    scale = float(key.abs().max())
+    return float((key - key[:, :, :1]).abs().max()) > TWIN_KEY_TOLERANCE * max(scale, 1e-6)

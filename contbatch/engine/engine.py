@@ -25,7 +25,7 @@ from contbatch.engine.kv_cache import (
     resident_block_limit,
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.kv_probe import measure_kv_shapes
+from contbatch.engine.kv_probe import probe_layers
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.model_support import cache_spec, chunked_attention_limit, input_vocab_size
 from contbatch.engine.outputs import EngineStats, RequestDelta
@@ -74,7 +74,8 @@ class LLMEngine:
         check_supported(self.generation_config)
         device = next(model.parameters()).device
         vocab_size = input_vocab_size(model)
-        spec = cache_spec(model, next(model.parameters()).dtype, measure_kv_shapes(model))
+        probe = probe_layers(model)
+        spec = cache_spec(model, next(model.parameters()).dtype, probe.shapes)
         groups = kv_cache_groups(model.config, spec)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(
@@ -94,7 +95,7 @@ class LLMEngine:
         paths = engine_compile_paths(config, self.generation_config)
         self.model_runner = ModelRunner(model, self.cache, paths, resolve_graph_settings(
             config.use_cuda_graph, config.q_padding_interval_size, config.kv_padding_interval_size,
-            config.max_cached_graphs, device, paths.get("decode")))
+            config.max_cached_graphs, device, paths.get("decode")), renumbered=probe.renumbered)
         self.sampler = self.model_runner.sampler
         self.beam_search = BeamSearch(self.scheduler)
         self.device = device

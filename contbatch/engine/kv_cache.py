@@ -81,15 +81,25 @@ class KVCacheGroup:
     sliding_window: int | None = None
 
 
+def attending_layers(config: PretrainedConfig) -> list[int]:
+    """The indices of the layers of `config`'s text model that attend over the tokens: all but those its
+    `cross_attention_layers` lists (Mllama's, which attend to an image's states, and which a forward without an
+    image skips: contbatch's requests are text), which take no KV cache."""
+    config = config.get_text_config()
+    skipped = set(getattr(config, "cross_attention_layers", None) or ())
+    return [layer for layer in range(config.num_hidden_layers) if layer not in skipped]
+
+
 def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None) -> list[KVCacheGroup]:
-    """The model's layers split into groups of one attention kind (full, or one sliding window) and, with `spec`,
-    one key shape (`KVCacheSpec.shape_of`), all groups of the same size but the last of each kind, full-attention
-    groups first.
+    """The model's attending layers (`attending_layers`) split into groups of one attention kind (full, or one
+    sliding window) and, with `spec`, one key shape (`KVCacheSpec.shape_of`), all groups of the same size but the
+    last of each kind, full-attention groups first.
 
     A model whose layers are all alike is one group. A hybrid model (Gemma 2/3: sliding and full layers) gets
     groups of `min(count of each kind)` layers, so that one block of the pool, which holds `block_size` tokens of
     one group, has the same size for every group; sliding groups then hold only a window's worth of blocks.
     """
+    attending = attending_layers(config)
     config = config.get_text_config()
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or None
@@ -97,7 +107,8 @@ def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None) -
     if layer_types is None:  # e.g. Mistral: the config's window applies to every layer
         layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
     by_kind: dict[tuple[int | None, tuple[int, int]], list[int]] = {}
-    for layer, kind in enumerate(layer_types[:num_layers]):
+    for layer in (layer for layer in attending if layer < len(layer_types)):
+        kind = layer_types[layer]
         shape = spec.shape_of(layer) if spec is not None else (0, 0)
         by_kind.setdefault((int(window) if window and kind == "sliding_attention" else None, shape), []).append(layer)
     if len(by_kind) == 1:
@@ -203,6 +214,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = device
         self.groups = groups or [KVCacheGroup(tuple(range(spec.num_layers)))]
+        self.layers = tuple(sorted(layer for group in self.groups for layer in group.layers))
         self._starts, positions = block_positions(spec, self.groups)
         self.shape = (positions, 2, spec.num_kv_heads, (num_blocks + 1) * block_size, spec.head_dim)
         self.scratch_slot = num_blocks * block_size

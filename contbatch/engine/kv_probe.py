@@ -1,14 +1,20 @@
-"""What each layer of a model hands its attention function, measured by one forward of one token before the KV
-cache is sized (`measure_kv_shapes`).
+"""What each layer of a model hands its attention function, measured by one forward of two equal tokens at one
+position before the KV cache is sized (`probe_layers`).
 
 A config does not always say what the layers compute: MiMo-V2-Flash's sliding layers take twice the config's
 key/value heads, JetMoE repeats its keys for each of the experts a token's attention runs, a stray
 `num_key_value_heads` in a config whose layers have no grouped-query attention. `model_support.cache_spec` sizes
 the cache from these measurements where they cover every layer, and from the config where they do not (a forward
 that failed, layers with their own attention code, which the first step then refuses by name).
+
+Nor does a forward's signature say whether it uses the positions it takes: CSM's depth decoder takes `position_ids`
+and numbers its tokens itself. Two equal tokens given one position must reach every layer's attention with equal
+keys; a layer where they do not (`LayerProbe.renumbered`) fails the first step (`model_support.check_numbering`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -17,21 +23,38 @@ from contbatch.engine.attention import METADATA_KWARG, paged_forward, register_p
 from contbatch.engine.attention_types import KVShapeProbe
 
 
-def measure_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int, int]]:
-    """Each attending layer's `(key/value heads, key head size, value head size)`, by `layer_idx`, from a forward
-    of one token (id 0 at position 0, no cache, no gradient) whose attention calls record their inputs and attend
-    nothing (`KVShapeProbe`); empty when that forward raises. The model's attention implementation is switched to
-    contbatch's for the forward and back after it."""
+@dataclass(frozen=True)
+class LayerProbe:
+    """What the probing forward saw: each attending layer's `(key/value heads, key head size, value head size)` by
+    `layer_idx` (empty when the forward raised), and the layers whose keys told two equal tokens at one position
+    apart."""
+
+    shapes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    renumbered: frozenset[int] = frozenset()
+
+
+def probe_layers(model: PreTrainedModel) -> LayerProbe:
+    """One forward of two equal tokens (id 0, or 1 where 0 is the embeddings' padding row, all zeros), both at
+    position 0 (no cache, no gradient), whose attention calls record their inputs and attend nothing
+    (`KVShapeProbe`). The model's attention implementation is switched to
+    contbatch's for the forward and back after it. An empty `LayerProbe` when the forward raises."""
     previous = model.config._attn_implementation
     remember_own_attention(model)
     probe = KVShapeProbe({})
-    token = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    padding = getattr(model.get_input_embeddings(), "padding_idx", None)
+    tokens = torch.full((1, 2), int(padding == 0), dtype=torch.long, device=next(model.parameters()).device)
+    positions = torch.zeros_like(tokens)
     try:
         model.set_attn_implementation(register_paged_attention())
         with torch.no_grad(), paged_forward(probe):
-            model(input_ids=token, position_ids=token, use_cache=False, **{METADATA_KWARG: probe})
+            model(input_ids=tokens, position_ids=positions, use_cache=False, **{METADATA_KWARG: probe})
     except Exception:  # the first step reports what fails; the config sizes the cache meanwhile
-        return {}
+        return LayerProbe()
     finally:
         model.set_attn_implementation(previous)
-    return probe.shapes
+    return LayerProbe(probe.shapes, frozenset(probe.renumbered))
+
+
+def measure_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int, int]]:
+    """Each attending layer's `(key/value heads, key head size, value head size)` from `probe_layers`."""
+    return probe_layers(model).shapes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -36,7 +36,13 @@ from contbatch.engine.head_buffer import reusing_logits
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
 from contbatch.engine.logits_processors import apply_processors
-from contbatch.engine.model_support import check_attended, check_config, check_logits_kept, check_positions
+from contbatch.engine.model_support import (
+    check_attended,
+    check_config,
+    check_logits_kept,
+    check_numbering,
+    check_positions,
+)
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.packed_weights import packed_forward, weights_changed
 from contbatch.engine.prompt_logprobs import prompt_logprobs, prompt_rows
@@ -69,8 +75,11 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache,
                  compile_paths: dict[str, CompileConfig] | None = None, graphs: GraphSettings | None = None,
-                 graph_backend: GraphBackend | None = None) -> None:
+                 graph_backend: GraphBackend | None = None, renumbered: Collection[int] = ()) -> None:
+        """`renumbered`: the layers where the engine's probing forward saw the model tell equal tokens at one
+        position apart (`kv_probe.LayerProbe`); the first forward refuses such a model (`check_numbering`)."""
         self.model = model
+        self.renumbered = frozenset(renumbered)
         self.cache = cache
         self.compiled = shared_compiled_forward(model, compile_paths) if compile_paths else None
         self.graphs = None if graphs is None else StepGraphs(cache, graphs, graph_backend or CudaGraphBackend())
@@ -161,12 +170,13 @@ class ModelRunner:
         (`check_positions`) and only the kept rows' logits returned (`check_logits_kept`), each raises
         `UnsupportedModelError` when not, or, before it runs, when the model's config asks for what the paged
         attention cannot reproduce (`check_config`: ALiBi, layers that keep a recurrent state, other attention
-        than full, sliding or chunked)."""
+        than full, sliding or chunked) or the probe saw it number its tokens itself (`check_numbering`)."""
         compiled = self.compiled if self.compiled is not None and path in self.compiled.paths else None
         frozen = compiled is not None and compiled.freezes_weights
         fused = compiled is None and self.device.type == "cpu"
         if not self.attention_checked:
             check_config(self.model)
+            check_numbering(self.model, self.renumbered)
         metadata.attended.clear()
         published = metadata if compiled is None else COMPILED_MARKER
         with (paged_forward(published), nullcontext() if frozen else packed_forward(self.model),
@@ -177,7 +187,7 @@ class ModelRunner:
             else:
                 output = self.model(**inputs, use_cache=False, **{METADATA_KWARG: published})
         if not self.attention_checked:
-            check_attended(self.model, metadata.attended, self.cache.spec.num_layers)
+            check_attended(self.model, metadata.attended, self.cache.layers)
             check_positions(self.model)
             check_logits_kept(self.model, output.logits.shape[-2], len(inputs["logits_to_keep"]))
             self.attention_checked = True

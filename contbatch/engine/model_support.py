@@ -11,7 +11,8 @@ tokens silently; these checks turn that into an `UnsupportedModelError` naming w
   logits asked for (`check_logits_kept`: Whisper's decoder returns every token's);
 - a model's config must not ask for ALiBi, which Falcon adds to its attention mask, nor for layers that keep a
   recurrent state (Mamba, short convolutions, linear attention; Falcon-H1's hybrid layers) (`check_config`,
-  before the first forward);
+  before the first forward), and the engine's probing forward must have shown the model numbering its tokens by
+  the positions it is given (`check_numbering`: CSM's depth decoder takes them and numbers its tokens itself);
 - a layer's keys and values must have the heads and head sizes the cache was sized for (`check_kv_shape`: from
   what the layers computed in the probing forward of `kv_probe`, else from the config), its values no larger
   than its keys, and a layer must not attend over more positions than its cache group keeps (`check_window`);
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -144,20 +145,20 @@ def check_window(layer: int, sliding_window: int | None, kept: int | None) -> No
             "attention function")
 
 
-def check_attended(model: torch.nn.Module, attended: Sequence[int], num_layers: int) -> None:
+def check_attended(model: torch.nn.Module, attended: Sequence[int], layers: Sequence[int]) -> None:
     """Raises `UnsupportedModelError` unless `attended` (the layers that ran the paged attention in one forward,
-    in call order) holds every layer of `range(num_layers)` exactly once."""
+    in call order) holds each of `layers` (the KV cache's, ascending) exactly once, and no other layer."""
     counts = Counter(attended)
-    if len(attended) == num_layers and set(counts) == set(range(num_layers)):
+    if len(attended) == len(layers) and set(counts) == set(layers):
         return
     name = type(model).__name__
-    missing = [layer for layer in range(num_layers) if layer not in counts]
+    missing = [layer for layer in layers if layer not in counts]
     repeated = sorted(layer for layer, count in counts.items() if count > 1)
-    unknown = sorted(layer for layer in counts if not 0 <= layer < num_layers)
+    unknown = sorted(set(counts) - set(layers))
     compatible = getattr(model, "is_backend_compatible", None)
     flag = f"; {name}.is_backend_compatible() is {compatible()}" if callable(compatible) else ""
     raise UnsupportedModelError(
-        f"{name}: {len(counts) - len(unknown)} of its {num_layers} layers ran contbatch's paged attention in a forward"
+        f"{name}: {len(counts) - len(unknown)} of its {len(layers)} layers ran contbatch's paged attention in a forward"
         + (f" (missing: {_listed(missing)})" if missing else "")
         + (f" (more than once: {_listed(repeated)})" if repeated else "")
         + (f" (not among its layers: {_listed(unknown)})" if unknown else "")
@@ -218,6 +219,22 @@ def check_positions(model: torch.nn.Module) -> None:
             "position")
 
 
+def check_numbering(model: torch.nn.Module, renumbered: Collection[int]) -> None:
+    """Raises `UnsupportedModelError` when the engine's probing forward (`kv_probe.probe_layers`) saw two equal
+    tokens at one position reach the attention of the layers `renumbered` with different keys: the model takes
+    `position_ids` and numbers its tokens otherwise (CSM's depth decoder, from its cache's length), or mixes tokens
+    outside its attention, where contbatch's steps pack many requests' tokens, each at its own position; a decoder
+    that takes no `position_ids` is named for that (`check_positions`). Run after `check_config`, which names layers
+    that mix tokens by design (short convolutions) first."""
+    if renumbered:
+        check_positions(model)
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: two equal tokens given one position reached the attention of "
+            f"{_listed(sorted(renumbered))} with different keys: its forward does not number its tokens by the "
+            "position_ids it takes (it numbers them itself, or mixes them outside its attention); contbatch's steps "
+            "pack many requests' tokens, each at its own position")
+
+
 def check_logits_kept(model: torch.nn.Module, rows: int, kept: int) -> None:
     """Raises `UnsupportedModelError` for a model whose forward returned logits of `rows` rows where `kept` were
     asked for (`logits_to_keep`, the rows each request samples or scores from): its forward takes no
@@ -252,7 +269,7 @@ def _layer_types_error(name: str, layer_types: list[str], layers: list[int], ver
 def cache_spec(model: torch.nn.Module, dtype: torch.dtype,
                measured: Mapping[int, tuple[int, int, int]] | None = None) -> KVCacheSpec:
     """The KV cache's shapes for `model`: each layer's `(key/value heads, key head size, value head size)` as
-    `measured` (`kv_probe.measure_kv_shapes`: what the layers handed their attention function in a probing
+    `measured` (`kv_probe.probe_layers`: what the layers handed their attention function in a probing
     forward) where that covers every layer, else as the config gives them (`KVCacheSpec.from_model_config`, or
     a heterogeneous config's `per_layer_config`: Gemma 4's 256 dimensions in its sliding layers, 512 in its full
     ones). Raises `UnsupportedModelError` for a config without attention heads (`num_attention_heads`: a

@@ -12,7 +12,7 @@ import torch
 
 from contbatch.engine import engine as engine_module
 from contbatch.engine.kv_cache import KVCacheSpec
-from contbatch.engine.kv_probe import measure_kv_shapes
+from contbatch.engine.kv_probe import LayerProbe, measure_kv_shapes
 from contbatch.engine.model_support import UnsupportedModelError, check_kv_shape
 from tests.helpers import (
     PROMPT_LENGTHS,
@@ -83,7 +83,7 @@ def test_a_forward_that_fails_measures_nothing() -> None:
 def test_without_a_measurement_a_layer_the_config_misdescribes_fails_its_requests_by_name(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The config sizes the cache (2 heads, from the stray field) and the first step's check names the layer."""
-    monkeypatch.setattr(engine_module, "measure_kv_shapes", lambda model: {})
+    monkeypatch.setattr(engine_module, "probe_layers", lambda model: LayerProbe())
     for error in run_prompts(model_of_type("gpt_neox", **SMALL)).values():
         assert error == ("UnsupportedModelError: layer 0 computes 4 key/value heads of size 16, but the KV cache "
                          "was sized from the model's config for 2 of size 16 (num_key_value_heads, head_dim)")

@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from contbatch.engine import engine as engine_module
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
+from contbatch.engine.kv_probe import LayerProbe
 from contbatch.engine.model_support import UnsupportedModelError
 from tests.helpers import (
     PROMPT_LENGTHS,
@@ -73,7 +74,7 @@ def test_latent_attention_matches_generate_on_every_path(path: str, monkeypatch:
     torch._dynamo.reset()
     use_attention_path(path, monkeypatch)
     if path == "config's shapes":
-        monkeypatch.setattr(engine_module, "measure_kv_shapes", lambda model: {})
+        monkeypatch.setattr(engine_module, "probe_layers", lambda model: LayerProbe())
     model = model_of_type("deepseek_v3", **MLA)
     if path == "bfloat16":
         model = model.to(torch.bfloat16)

@@ -199,15 +199,16 @@ def test_generate_batch_raises_for_an_unsupported_model() -> None:
 
 
 def test_check_attended_names_missing_and_repeated_layers() -> None:
-    check_attended(torch.nn.Module(), [0, 1, 2], 3)
+    check_attended(torch.nn.Module(), [0, 1, 2], [0, 1, 2])
+    check_attended(torch.nn.Module(), [0, 2], [0, 2])
     with pytest.raises(UnsupportedModelError, match=r"Module: 2 of its 3 layers ran .* \(missing: layer 2\) "
                                                     r"\(more than once: layer 0\)\. .*state-space layers\), so"):
-        check_attended(torch.nn.Module(), [0, 0, 1], 3)
+        check_attended(torch.nn.Module(), [0, 0, 1], [0, 1, 2])
     with pytest.raises(UnsupportedModelError, match=r"\(missing: layers 0, 1, 2, 3, 4, 5, 6, 7 and 2 more\)"):
-        check_attended(torch.nn.Module(), [], 10)
+        check_attended(torch.nn.Module(), [], list(range(10)))
     with pytest.raises(UnsupportedModelError, match=r"Module: 0 of its 2 layers ran .* \(missing: layers 0, 1\) "
                                                     r"\(not among its layers: layer 2\)\."):
-        check_attended(torch.nn.Module(), [2], 2)
+        check_attended(torch.nn.Module(), [2], [0, 1])
 
 
 def test_the_check_runs_until_a_forward_passes_it() -> None:

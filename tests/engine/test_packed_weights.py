@@ -15,6 +15,8 @@ from transformers import GenerationConfig
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
 from contbatch.engine import cpu_kernels, packed_weights
+from contbatch.engine.attention import METADATA_KWARG
+from contbatch.engine.attention_types import KVShapeProbe
 from contbatch.engine.packed_weights import (
     PLAN_ATTRIBUTE,
     PackedLinear,
@@ -151,12 +153,16 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
     model = fresh_tiny_model("llama")
     own, own_q = model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj
     seen: list[tuple[nn.Module, nn.Module]] = []
-    probed: list[tuple[nn.Module, nn.Module]] = []  # the cache's probe: one token through the model as it is
+    probed: list[tuple[nn.Module, nn.Module]] = []  # the cache's probe: a forward of the model as it is
+    probing: list[bool] = []
 
-    def record(_: nn.Module, inputs: tuple[torch.Tensor, ...], __: object) -> None:
-        (probed if inputs[0].shape[1] == 1 else seen).append(
-            (model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj))
+    def note(_: nn.Module, __: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        probing[:] = [isinstance(kwargs.get(METADATA_KWARG), KVShapeProbe)]
 
+    def record(*_: object) -> None:
+        (probed if probing[0] else seen).append((model.get_output_embeddings(), model.model.layers[0].self_attn.q_proj))
+
+    model.register_forward_pre_hook(note, with_kwargs=True)
     model.model.norm.register_forward_hook(record)
     prompts = random_prompts([9, 17, 4], seed=3)
     config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)

@@ -62,7 +62,7 @@ def count_kept_rows(model: PreTrainedModel) -> tuple[list[int], torch.utils.hook
     kept: list[int] = []
 
     def hook(_: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not isinstance(kwargs.get(METADATA_KWARG), KVShapeProbe):  # the cache's probe keeps its one row
+        if not isinstance(kwargs.get(METADATA_KWARG), KVShapeProbe):  # the cache's probe keeps every row
             kept.append(len(kwargs["logits_to_keep"]))
 
     return kept, model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -12,6 +12,9 @@ import torch
 import transformers
 from transformers import AutoConfig
 
+from contbatch.engine.attention import METADATA_KWARG, paged_forward, register_paged_attention
+from contbatch.engine.attention_types import KVShapeProbe
+from contbatch.engine.kv_probe import probe_layers
 from contbatch.engine.model_support import UnsupportedModelError, check_attention_kwargs
 from tests.helpers import (
     PROMPT_LENGTHS,
@@ -246,3 +249,72 @@ def test_input_embeddings_that_are_not_one_table_are_refused_when_the_engine_is_
                                                     r"one table of token ids"):
         make_engine(model, num_blocks=16)
     assert model.config._attn_implementation != "contbatch_paged", "refused before contbatch attached"
+
+
+def test_a_forward_that_ignores_the_positions_it_takes_fails_its_requests_by_name() -> None:
+    """CSM's depth decoder takes `position_ids` and numbers a forward's tokens itself, from its cache's length (and
+    picks each token's codebook table by that number): contbatch's packed steps gave it other positions than
+    `generate` did, silently, or an index error once a step held more tokens than it has codebooks. The engine's
+    probing forward sees two equal tokens at one position reach its attention with different keys."""
+    config = transformers.CsmDepthDecoderConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, num_key_value_heads=2, backbone_hidden_size=64,
+                                                vocab_size=256, num_codebooks=4, max_position_embeddings=64,
+                                                initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.CsmDepthDecoderForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    assert probe_layers(model).renumbered == {0, 1}
+    for error in run_prompts(model).values():
+        assert error == ("UnsupportedModelError: CsmDepthDecoderForCausalLM: two equal tokens given one position "
+                         "reached the attention of layers 0, 1 with different keys: its forward does not number its "
+                         "tokens by the position_ids it takes (it numbers them itself, or mixes them outside its "
+                         "attention); contbatch's steps pack many requests' tokens, each at its own position"), error
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma3_text"])
+def test_models_that_number_their_tokens_by_the_positions_given_pass_the_probe(model_type: str) -> None:
+    """RoPE, learned position embeddings and sliding layers alike give two equal tokens at one position equal
+    keys in every layer; each layer's key moves when the second token's position does."""
+    needs_model_type(model_type)
+    config = dict(SMALL, n_embd=64, n_layer=2, n_head=4, n_positions=1024) if model_type == "gpt2" else SMALL
+    model = model_of_type(model_type, **config)
+    probe = probe_layers(model)
+    assert probe.renumbered == frozenset() and sorted(probe.shapes) == [0, 1]
+    moved = KVShapeProbe({})
+    model.set_attn_implementation(register_paged_attention())
+    with torch.no_grad(), paged_forward(moved):
+        model(input_ids=torch.ones(1, 2, dtype=torch.long), position_ids=torch.tensor([[0, 1]]), use_cache=False,
+              **{METADATA_KWARG: moved})
+    assert moved.renumbered == {0, 1}, "the check tells positions apart"
+
+
+MLLAMA_TEXT = dict(SMALL, num_hidden_layers=4, initializer_range=0.2, cross_attention_layers=[1], bos_token_id=0,
+                   eos_token_id=1, pad_token_id=2)
+MLLAMA_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                     image_size=56, patch_size=14, vision_output_dim=64, intermediate_layers_indices=[0])
+
+
+def _mllama(form: str) -> transformers.PreTrainedModel:
+    if form == "vision-language":
+        return _vision_language_model("mllama", text_config=dict(MLLAMA_TEXT, model_type="mllama_text_model"),
+                                      vision_config=MLLAMA_VISION)
+    torch.manual_seed(0)
+    model = transformers.MllamaForCausalLM(transformers.MllamaTextConfig(**MLLAMA_TEXT)).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("form", ["text", "vision-language"])
+def test_mllama_matches_generate_on_text_without_its_cross_attention_layers(form: str) -> None:
+    """Llama 3.2 Vision: the layers its config lists in `cross_attention_layers` attend to an image's states, and a
+    forward without an image skips them. They take no place in the KV cache; the other layers match `generate`
+    (before, the first step refused the model for the layers that did not attend)."""
+    model = _mllama(form)
+    with make_engine(model, block_size=4, num_blocks=8) as engine:
+        assert engine.cache.layers == (0, 2, 3) and engine.cache.shape[0] == 3
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
+    for engine_config in ({}, {"block_size": 16, "max_batch_tokens": 7}):
+        results = run_prompts(model, num_blocks=64, **engine_config)
+        for index, reference in enumerate(references):
+            assert results[str(index)] == reference, (engine_config, index)
