@@ -36,15 +36,15 @@ class LayerProbe:
 def probe_layers(model: PreTrainedModel) -> LayerProbe:
     """One forward of two equal tokens (id 0, or 1 where 0 is the embeddings' padding row, all zeros), both at
     position 0 (no cache, no gradient), whose attention calls record their inputs and attend nothing
-    (`KVShapeProbe`). The model's attention implementation is switched to
-    contbatch's for the forward and back after it. An empty `LayerProbe` when the forward raises."""
+    (`KVShapeProbe`). The model's attention implementation is switched to contbatch's for the forward and back
+    after it. An empty `LayerProbe` when the forward raises."""
     previous = model.config._attn_implementation
     remember_own_attention(model)
     probe = KVShapeProbe({})
-    padding = getattr(model.get_input_embeddings(), "padding_idx", None)
-    tokens = torch.full((1, 2), int(padding == 0), dtype=torch.long, device=next(model.parameters()).device)
-    positions = torch.zeros_like(tokens)
     try:
+        padding = getattr(model.get_input_embeddings(), "padding_idx", None)
+        tokens = torch.full((1, 2), int(padding == 0), dtype=torch.long, device=next(model.parameters()).device)
+        positions = torch.zeros_like(tokens)
         model.set_attn_implementation(register_paged_attention())
         with torch.no_grad(), paged_forward(probe):
             model(input_ids=tokens, position_ids=positions, use_cache=False, **{METADATA_KWARG: probe})
