@@ -12,8 +12,6 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from contbatch.engine.attention import METADATA_KWARG, paged_forward, register_paged_attention
-from contbatch.engine.attention_types import KVShapeProbe
 from contbatch.engine.kv_probe import probe_layers
 from contbatch.engine.model_support import UnsupportedModelError, check_attention_kwargs
 from tests.helpers import (
@@ -272,20 +270,23 @@ def test_a_forward_that_ignores_the_positions_it_takes_fails_its_requests_by_nam
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma3_text"])
-def test_models_that_number_their_tokens_by_the_positions_given_pass_the_probe(model_type: str) -> None:
-    """RoPE, learned position embeddings and sliding layers alike give two equal tokens at one position equal
-    keys in every layer; each layer's key moves when the second token's position does."""
+def test_the_probe_tells_a_forward_that_numbers_its_tokens_itself(model_type: str) -> None:
+    """RoPE, learned position embeddings and sliding layers alike give two equal tokens at one position equal keys
+    in every layer. The same model whose forward numbers its tokens itself (a hook that replaces the positions it
+    is given by 0, 1, ...) is told apart in every layer, Gemma 3's too, whose token 0 is its padding row of zeros."""
     needs_model_type(model_type)
     config = dict(SMALL, n_embd=64, n_layer=2, n_head=4, n_positions=1024) if model_type == "gpt2" else SMALL
     model = model_of_type(model_type, **config)
     probe = probe_layers(model)
     assert probe.renumbered == frozenset() and sorted(probe.shapes) == [0, 1]
-    moved = KVShapeProbe({})
-    model.set_attn_implementation(register_paged_attention())
-    with torch.no_grad(), paged_forward(moved):
-        model(input_ids=torch.ones(1, 2, dtype=torch.long), position_ids=torch.tensor([[0, 1]]), use_cache=False,
-              **{METADATA_KWARG: moved})
-    assert moved.renumbered == {0, 1}, "the check tells positions apart"
+
+    def number_itself(_: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> tuple:
+        tokens = kwargs["input_ids"]
+        assert isinstance(tokens, torch.Tensor)
+        return args, {**kwargs, "position_ids": torch.arange(tokens.shape[1])[None]}
+
+    model.register_forward_pre_hook(number_itself, with_kwargs=True)
+    assert probe_layers(model).renumbered == {0, 1}
 
 
 MLLAMA_TEXT = dict(SMALL, num_hidden_layers=4, initializer_range=0.2, cross_attention_layers=[1], bos_token_id=0,
