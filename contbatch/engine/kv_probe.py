@@ -54,7 +54,3 @@ def probe_layers(model: PreTrainedModel) -> LayerProbe:
         model.set_attn_implementation(previous)
     return LayerProbe(probe.shapes, frozenset(probe.renumbered))
 
-
-def measure_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int, int]]:
-    """Each attending layer's `(key/value heads, key head size, value head size)` from `probe_layers`."""
-    return probe_layers(model).shapes

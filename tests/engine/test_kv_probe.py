@@ -1,5 +1,5 @@
-"""The KV cache sized from what each layer hands its attention function (`kv_probe.measure_kv_shapes`, one forward
-of one token before the cache is made), where the config does not say it: MiMo-V2-Flash's sliding layers take twice
+"""The KV cache sized from what each layer hands its attention function (`kv_probe.probe_layers`, one forward
+of two tokens before the cache is made), where the config does not say it: MiMo-V2-Flash's sliding layers take twice
 the config's key/value heads, JetMoE repeats its keys for each attention expert of a token, GPT-BigCode's
 multi-query layers compute one head, and a stray `num_key_value_heads` in a config without grouped-query attention
 says 2 where the layers compute 4. Each of these failed its requests before; now each matches `generate`. Where no
@@ -12,7 +12,7 @@ import torch
 
 from contbatch.engine import engine as engine_module
 from contbatch.engine.kv_cache import KVCacheSpec
-from contbatch.engine.kv_probe import LayerProbe, measure_kv_shapes
+from contbatch.engine.kv_probe import LayerProbe, probe_layers
 from contbatch.engine.model_support import UnsupportedModelError, check_kv_shape
 from tests.helpers import (
     PROMPT_LENGTHS,
@@ -45,7 +45,7 @@ def test_layers_the_config_misdescribes_are_measured_and_match_generate(
     needs_model_type(model_type)
     model = model_of_type(model_type, **config)
     own = model.config._attn_implementation
-    assert measure_kv_shapes(model) == shapes
+    assert probe_layers(model).shapes == shapes
     assert model.config._attn_implementation == own, "the probe gives the model its attention back"
     with make_engine(model, num_blocks=16) as engine:
         assert engine.cache.spec.measured
@@ -76,7 +76,7 @@ def test_a_forward_that_fails_measures_nothing() -> None:
     model = model_of_type("llama", **SMALL)
     own = model.config._attn_implementation
     model.model.embed_tokens.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("no")))
-    assert measure_kv_shapes(model) == {}
+    assert probe_layers(model).shapes == {}
     assert model.config._attn_implementation == own
 
 
@@ -92,7 +92,7 @@ def test_without_a_measurement_a_layer_the_config_misdescribes_fails_its_request
 def test_a_measurement_that_misses_a_layer_leaves_the_config_to_size_the_cache() -> None:
     """BLOOM's layers run their own attention code: nothing is measured, and its requests fail by name."""
     model = model_of_type("bloom", vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
-    assert measure_kv_shapes(model) == {}
+    assert probe_layers(model).shapes == {}
     for error in run_prompts(model).values():
         assert isinstance(error, str) and "0 of its 2 layers ran contbatch's paged attention" in error, error
 
