@@ -36,7 +36,8 @@ KERNEL_ON_FILES=(tests/engine/test_parity.py tests/engine/test_cuda_graphs.py te
 case ${GPU_TEST_FILES:-} in
   "") ;;
   rest) TEST_FILES=("${REST[@]}") ;;
-  owed) TEST_FILES=("${REST[@]}" tests/engine/test_bfloat16.py tests/engine/test_async_batching.py) ;;
+  owed) TEST_FILES=("${REST[@]}" tests/engine/test_bfloat16.py tests/engine/test_async_batching.py
+               tests/engine/test_unsupported_models.py) ;;
   *) read -r -a TEST_FILES <<<"$GPU_TEST_FILES" ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \

@@ -17,6 +17,7 @@ from contbatch.engine.model_support import UnsupportedModelError, check_attentio
 from tests.helpers import (
     PROMPT_LENGTHS,
     SMALL,
+    TEST_DEVICE,
     make_engine,
     model_of_type,
     needs_model_type,
@@ -300,7 +301,7 @@ def _mllama(form: str) -> transformers.PreTrainedModel:
         return _vision_language_model("mllama", text_config=dict(MLLAMA_TEXT, model_type="mllama_text_model"),
                                       vision_config=MLLAMA_VISION)
     torch.manual_seed(0)
-    model = transformers.MllamaForCausalLM(transformers.MllamaTextConfig(**MLLAMA_TEXT)).eval()
+    model = transformers.MllamaForCausalLM(transformers.MllamaTextConfig(**MLLAMA_TEXT)).to(TEST_DEVICE).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -309,7 +310,8 @@ def _mllama(form: str) -> transformers.PreTrainedModel:
 def test_mllama_matches_generate_on_text_without_its_cross_attention_layers(form: str) -> None:
     """Llama 3.2 Vision: the layers its config lists in `cross_attention_layers` attend to an image's states, and a
     forward without an image skips them. They take no place in the KV cache; the other layers match `generate`
-    (before, the first step refused the model for the layers that did not attend)."""
+    (before, the first step refused the model for the layers that did not attend). The text model runs on
+    `CONTBATCH_TEST_DEVICE` (a GPU session's `owed` files)."""
     model = _mllama(form)
     with make_engine(model, block_size=4, num_blocks=8) as engine:
         assert engine.cache.layers == (0, 2, 3) and engine.cache.shape[0] == 3
