@@ -204,7 +204,11 @@ def paged_attention_for_layer(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes `layer`'s new K/V into the cache, then attends every group of the batch over its context; returns
-    [1, tokens, heads, value head size]. `sinks` ([heads] float32): each head's sink logit (`attention_math`)."""
+    [1, tokens, heads, value head size]. `sinks` ([heads] float32): each head's sink logit (`attention_math`). A
+    layer's later calls in one forward take the cache layers of its repeated calls (`PagedKVCache.repeated_calls`)."""
+    repeats = metadata.cache.repeated_calls.get(layer)
+    if repeats is not None:
+        layer = next((cache_layer for cache_layer in (layer, *repeats) if cache_layer not in metadata.attended), layer)
     cache_group = metadata.cache.layer_group[layer]
     check_window(layer, sliding_window, metadata.cache.groups[cache_group].sliding_window)
     check_kv_shape(layer, key, value, metadata.cache.spec)

@@ -7,6 +7,7 @@ which blocks a cached prefix must have for a request to start after it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -97,13 +98,15 @@ a learned position embedding moves."""
 @dataclass
 class KVShapeProbe:
     """Passed as the attention metadata of a probing forward (`kv_probe.probe_layers`): each layer's attention call
-    records the layer's `(key/value heads, key head size, value head size)` in `shapes` and returns zeros of its
-    output's shape, attending nothing. In a forward of equal tokens given one position, a layer whose keys differ
-    between the tokens (`TWIN_KEY_TOLERANCE`) goes into `renumbered`: the model told the tokens apart by something
-    else than their id and position (it numbers them itself, or mixes tokens outside its attention)."""
+    records the layer's `(key/value heads, key head size, value head size)` in `shapes`, counts it in `calls`, and
+    returns zeros of its output's shape, attending nothing. In a forward of equal tokens given one position, a
+    layer whose keys differ between the tokens (`TWIN_KEY_TOLERANCE`) goes into `renumbered`: the model told the
+    tokens apart by something else than their id and position (it numbers them itself, or mixes tokens outside
+    its attention)."""
 
     shapes: dict[int, tuple[int, int, int]]
     renumbered: set[int] = field(default_factory=set)
+    calls: Counter[int] = field(default_factory=Counter)
 
     def record(self, module: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Records the call of `module` (a layer without a `layer_idx` is not recorded); returns
@@ -111,6 +114,7 @@ class KVShapeProbe:
         layer = getattr(module, "layer_idx", None)
         if isinstance(layer, int):
             self.shapes[layer] = (key.shape[1], key.shape[-1], value.shape[-1])
+            self.calls[layer] += 1
             if key.shape[2] > 1 and _twins_differ(key.detach().float()):
                 self.renumbered.add(layer)
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])

@@ -20,14 +20,13 @@ from contbatch.engine.generation_config import as_ids, check_supported, resolve_
 from contbatch.engine.kv_cache import (
     PagedKVCache,
     available_memory_bytes,
-    kv_cache_groups,
     num_blocks_for_memory,
     resident_block_limit,
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
-from contbatch.engine.kv_probe import probe_layers
+from contbatch.engine.kv_probe import cache_layout, probe_layers
 from contbatch.engine.model_runner import ModelRunner
-from contbatch.engine.model_support import cache_spec, chunked_attention_limit, input_vocab_size
+from contbatch.engine.model_support import chunked_attention_limit, input_vocab_size
 from contbatch.engine.outputs import EngineStats, RequestDelta
 from contbatch.engine.packed_weights import pending_packed_bytes
 from contbatch.engine.request import Request
@@ -75,13 +74,12 @@ class LLMEngine:
         device = next(model.parameters()).device
         vocab_size = input_vocab_size(model)
         probe = probe_layers(model)
-        spec = cache_spec(model, next(model.parameters()).dtype, probe.shapes)
-        groups = kv_cache_groups(model.config, spec)
+        spec, groups, repeats = cache_layout(model, next(model.parameters()).dtype, probe)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(
             spec, groups, self.config.block_size, max(free, 0), self.config.max_memory_percent
         )
-        self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device, groups)
+        self.cache = PagedKVCache(spec, num_blocks, self.config.block_size, device, groups, repeats)
         self.block_pool = BlockPool(num_blocks, resident_block_limit(self.cache), runs=True)
         self.kv_manager = KVCacheManager(
             self.block_pool, self.config.block_size, self.config.max_blocks_per_request or 0,

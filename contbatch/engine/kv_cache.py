@@ -7,8 +7,8 @@ import functools
 import math
 import mmap
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -90,10 +90,42 @@ def attending_layers(config: PretrainedConfig) -> list[int]:
     return [layer for layer in range(config.num_hidden_layers) if layer not in skipped]
 
 
-def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None) -> list[KVCacheGroup]:
-    """The model's attending layers (`attending_layers`) split into groups of one attention kind (full, or one
-    sliding window) and, with `spec`, one key shape (`KVCacheSpec.shape_of`), all groups of the same size but the
-    last of each kind, full-attention groups first.
+@dataclass(frozen=True)
+class RepeatedCalls:
+    """Cache layers for the attention calls a layer makes beyond its first in one forward (DiffLlama's layers attend
+    twice, over two halves of their values; Dory's recurrent layers once a loop): `extra[layer]` holds the cache
+    layers of calls 2, 3, ... of model layer `layer`, numbered after the model's layers, and `source[i]` is the
+    model layer of cache layer `i`. A call's keys and values stay apart from the other calls' (a layer called twice
+    takes twice its cache)."""
+
+    extra: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    source: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, num_layers: int, calls: Mapping[int, int]) -> RepeatedCalls:
+        """The cache layers of a model of `num_layers` layers whose layer `i` attends `calls[i]` times a forward (1
+        where absent)."""
+        extra: dict[int, tuple[int, ...]] = {}
+        source = list(range(num_layers))
+        for layer in sorted(layer for layer, count in calls.items() if count > 1 and 0 <= layer < num_layers):
+            extra[layer] = tuple(range(len(source), len(source) + calls[layer] - 1))
+            source += [layer] * (calls[layer] - 1)
+        return cls(extra, tuple(source) if extra else ())
+
+    def spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        """`spec` of the model's layers extended to the cache layers."""
+        if not self.extra:
+            return spec
+        shapes = tuple(spec.shape_of(layer) for layer in self.source) if spec.layer_shapes else ()
+        return replace(spec, num_layers=len(self.source), layer_shapes=shapes)
+
+
+def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None,
+                    repeats: RepeatedCalls | None = None) -> list[KVCacheGroup]:
+    """The model's attending layers (`attending_layers`), and the cache layers of their repeated calls (`repeats`,
+    each of its layer's kind), split into groups of one attention kind (full, or one sliding window) and, with
+    `spec`, one key shape (`KVCacheSpec.shape_of`), all groups of the same size but the last of each kind,
+    full-attention groups first.
 
     A model whose layers are all alike is one group. A hybrid model (Gemma 2/3: sliding and full layers) gets
     groups of `min(count of each kind)` layers, so that one block of the pool, which holds `block_size` tokens of
@@ -106,9 +138,12 @@ def kv_cache_groups(config: PretrainedConfig, spec: KVCacheSpec | None = None) -
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # e.g. Mistral: the config's window applies to every layer
         layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
+    extra = repeats.extra if repeats is not None else {}
     by_kind: dict[tuple[int | None, tuple[int, int]], list[int]] = {}
-    for layer in (layer for layer in attending if layer < len(layer_types)):
-        kind = layer_types[layer]
+    cache_layers = [(cache_layer, layer) for layer in attending if layer < len(layer_types)
+                    for cache_layer in (layer, *extra.get(layer, ()))]
+    for layer, model_layer in cache_layers:
+        kind = layer_types[model_layer]
         shape = spec.shape_of(layer) if spec is not None else (0, 0)
         by_kind.setdefault((int(window) if window and kind == "sliding_attention" else None, shape), []).append(layer)
     if len(by_kind) == 1:
@@ -208,8 +243,11 @@ class PagedKVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
-                 groups: list[KVCacheGroup] | None = None) -> None:
+                 groups: list[KVCacheGroup] | None = None, repeats: RepeatedCalls | None = None) -> None:
+        """`spec` and `groups` are of cache layers: the model's, and those of `repeats` (whose `extra` the attention
+        function reads as `repeated_calls`)."""
         self.spec = spec
+        self.repeated_calls = repeats.extra if repeats is not None else {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device

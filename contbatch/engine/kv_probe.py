@@ -21,16 +21,19 @@ from transformers import PreTrainedModel
 
 from contbatch.engine.attention import METADATA_KWARG, paged_forward, register_paged_attention, remember_own_attention
 from contbatch.engine.attention_types import KVShapeProbe
+from contbatch.engine.kv_cache import KVCacheGroup, KVCacheSpec, RepeatedCalls, kv_cache_groups
+from contbatch.engine.model_support import cache_spec
 
 
 @dataclass(frozen=True)
 class LayerProbe:
     """What the probing forward saw: each attending layer's `(key/value heads, key head size, value head size)` by
-    `layer_idx` (empty when the forward raised), and the layers whose keys told two equal tokens at one position
-    apart."""
+    `layer_idx` (empty when the forward raised), how many times each layer called its attention function, and the
+    layers whose keys told two equal tokens at one position apart."""
 
     shapes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     renumbered: frozenset[int] = frozenset()
+    calls: dict[int, int] = field(default_factory=dict)
 
 
 def probe_layers(model: PreTrainedModel) -> LayerProbe:
@@ -52,5 +55,15 @@ def probe_layers(model: PreTrainedModel) -> LayerProbe:
         return LayerProbe()
     finally:
         model.set_attn_implementation(previous)
-    return LayerProbe(probe.shapes, frozenset(probe.renumbered))
+    return LayerProbe(probe.shapes, frozenset(probe.renumbered), dict(probe.calls))
+
+
+def cache_layout(model: PreTrainedModel, dtype: torch.dtype,
+                 probe: LayerProbe) -> tuple[KVCacheSpec, list[KVCacheGroup], RepeatedCalls]:
+    """The KV cache's spec and groups for `model` from what `probe` measured (`model_support.cache_spec`), with a
+    cache layer more for each attention call a layer makes beyond its first (`RepeatedCalls`)."""
+    spec = cache_spec(model, dtype, probe.shapes)
+    repeats = RepeatedCalls.of(spec.num_layers, probe.calls)
+    spec = repeats.spec(spec)
+    return spec, kv_cache_groups(model.config, spec, repeats), repeats
 

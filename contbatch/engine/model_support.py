@@ -183,7 +183,9 @@ def check_config(model: torch.nn.Module) -> None:
       linear attention), which a KV cache cannot hold. Falcon-H1's "hybrid" layers run such a mixer beside their
       attention, so every layer still attends through contbatch and `check_attended` would pass them;
     - any other layer type but `ATTENTION_LAYER_TYPES` (sparse attention over indexed keys, compressed keys, layers
-      without attention)."""
+      without attention);
+    - recurrent layers whose earlier loops read the keys the last loop cached (Dory's `recurrent_kv_cache_mode`
+      "last_loop"): contbatch keeps each call's own keys (`kv_cache.RepeatedCalls`), as "per_loop" does."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if isinstance(config, PretrainedConfig) else None
     name = type(model).__name__
@@ -204,6 +206,11 @@ def check_config(model: torch.nn.Module) -> None:
             name, layer_types, other, ("asks for", "ask for"),
             f"an attention contbatch's paged attention does not implement (it computes "
             f"{', '.join(ATTENTION_LAYER_TYPES)})"))
+    mode = getattr(text, "recurrent_kv_cache_mode", "per_loop")
+    if mode != "per_loop":
+        raise UnsupportedModelError(
+            f"{name}: its config sets recurrent_kv_cache_mode={mode!r}: its recurrent layers' earlier loops read the "
+            "keys the last loop cached, where contbatch keeps each loop's own (as 'per_loop' does)")
 
 
 def check_positions(model: torch.nn.Module) -> None:
