@@ -146,6 +146,19 @@ def run_prompts(model: PreTrainedModel, **engine_config: object) -> dict[str, li
             for key, output in outputs.items()}
 
 
+
+def assert_matches_generate(model: PreTrainedModel, *engine_configs: dict[str, object],
+                            min_distinct: int = 9) -> None:
+    """Asserts that `run_prompts` on an engine of each of `engine_configs` (default: the plain one) gives every
+    prompt `generate`'s greedy tokens, and that those hold at least `min_distinct` distinct tokens (a degenerate
+    model proves nothing)."""
+    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
+    assert len({token for tokens in references for token in tokens}) >= min_distinct, "a degenerate model"
+    for engine_config in engine_configs or ({},):
+        results = run_prompts(model, **engine_config)
+        for index, reference in enumerate(references):
+            assert results[str(index)] == reference, (engine_config, index, results[str(index)])
+
 def add_samples(engine: LLMEngine, prompt: list[int], request_id: str, n: int, **sampling: object) -> list[str]:
     """What the manager does for `n=`: sample j is `<id>_j`, forked from sample 0."""
     requests = [engine.make_request(prompt, f"{request_id}_{j}", **sampling) for j in range(n)]

@@ -16,14 +16,11 @@ from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
 from contbatch.engine.kv_probe import LayerProbe
 from contbatch.engine.model_support import UnsupportedModelError
 from tests.helpers import (
-    PROMPT_LENGTHS,
     SMALL,
+    assert_matches_generate,
     make_engine,
     model_of_type,
     needs_model_type,
-    random_prompts,
-    reference_generate,
-    run_prompts,
     use_attention_path,
 )
 
@@ -45,14 +42,6 @@ MIMO = dict(SMALL, head_dim=24, v_head_dim=16, n_routed_experts=4, num_experts_p
             initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
-def _assert_matches_generate(model: torch.nn.Module, **engine_config: object) -> None:
-    results = run_prompts(model, **engine_config)
-    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
-    assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
-    for index, reference in enumerate(references):
-        assert results[str(index)] == reference, (index, results[str(index)])
-
-
 @pytest.mark.parametrize("model_type", sorted(MLA_FAMILIES))
 def test_latent_attention_families_match_generate(model_type: str) -> None:
     """The cache holds keys of 24 dimensions (16 without rotary, 8 with) where the config's `head_dim` says 8 (the
@@ -63,7 +52,7 @@ def test_latent_attention_families_match_generate(model_type: str) -> None:
     with make_engine(model, num_blocks=16) as engine:
         spec = engine.cache.spec
         assert (spec.num_kv_heads, spec.head_dim, spec.value_head_dim, spec.layer_shapes) == (4, 24, 16, ())
-    _assert_matches_generate(model)
+    assert_matches_generate(model)
 
 
 @pytest.mark.parametrize("path", ["gathered keys", "compiled", "triton", "bfloat16", "config's shapes"])
@@ -78,13 +67,13 @@ def test_latent_attention_matches_generate_on_every_path(path: str, monkeypatch:
     model = model_of_type("deepseek_v3", **MLA)
     if path == "bfloat16":
         model = model.to(torch.bfloat16)
-    _assert_matches_generate(model, use_default_compile_configs=path == "compiled")
+    assert_matches_generate(model, {"use_default_compile_configs": path == "compiled"})
 
 
 def test_values_smaller_than_the_keys_match_generate() -> None:
     """MiMo-V2-Flash's full-attention layers: keys of 24 dimensions, values of 16 (its own projection)."""
     needs_model_type("mimo_v2_flash")
-    _assert_matches_generate(model_of_type("mimo_v2_flash", **dict(MIMO, layer_types=["full_attention"] * 2)))
+    assert_matches_generate(model_of_type("mimo_v2_flash", **dict(MIMO, layer_types=["full_attention"] * 2)))
 
 
 @pytest.mark.parametrize(("model_type", "expected"), [

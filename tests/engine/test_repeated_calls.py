@@ -13,16 +13,7 @@ from transformers import AutoConfig
 from contbatch.engine import engine as engine_module
 from contbatch.engine.kv_cache import KVCacheGroup, KVCacheSpec, RepeatedCalls, kv_cache_groups
 from contbatch.engine.kv_probe import LayerProbe, probe_layers
-from tests.helpers import (
-    PROMPT_LENGTHS,
-    SMALL,
-    make_engine,
-    model_of_type,
-    needs_model_type,
-    random_prompts,
-    reference_generate,
-    run_prompts,
-)
+from tests.helpers import SMALL, assert_matches_generate, make_engine, model_of_type, needs_model_type, run_prompts
 
 IDS = dict(initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 DORY = dict(SMALL, num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
@@ -32,12 +23,8 @@ random model's loops barely change the tokens)."""
 
 
 def _matches_generate(model: torch.nn.Module, **engine_config: object) -> None:
-    references = [reference_generate(model, prompt, 8) for prompt in random_prompts(PROMPT_LENGTHS, seed=1)]
-    assert len({token for tokens in references for token in tokens}) > 8, "a degenerate model proves nothing"
-    for config in ({}, {"block_size": 16, "max_batch_tokens": 7}):
-        results = run_prompts(model, num_blocks=64, **engine_config, **config)
-        for index, reference in enumerate(references):
-            assert results[str(index)] == reference, (engine_config, config, index)
+    assert_matches_generate(model, dict(num_blocks=64, **engine_config),
+                            dict(num_blocks=64, block_size=16, max_batch_tokens=7, **engine_config))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
