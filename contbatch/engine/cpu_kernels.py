@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,10 +102,12 @@ def kernel_module() -> Any:
 
 
 def extension_name() -> str:
-    """The kernels' extension name: a digest of their sources, this CPU's flags and the build's target and OpenMP
-    flags (`-march=native` makes a build valid only on this kind of CPU)."""
+    """The kernels' extension name: a digest of their sources, this machine's architecture and CPU flags (x86's
+    `flags`, Arm's `Features`) and the build's target and OpenMP flags (`-march=native` makes a build valid only on
+    this kind of CPU, and a home directory may be shared by machines of several kinds)."""
     sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
-    digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join([target_arch(), *_openmp_flags()]).encode())
+    machine = " ".join([platform.machine(), _cpu_flags(), target_arch(), *_openmp_flags()])
+    digest = hashlib.sha256(sources + machine.encode())
     return f"contbatch_paged_decode_{digest.hexdigest()[:12]}"
 
 
@@ -220,9 +223,11 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
 
 
-def _cpu_flags() -> str:
+def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The line of `cpuinfo` that lists the CPU's instruction-set extensions, "name : ext ext ...": `flags` on x86,
+    `Features` on Arm; "" where the file has none or is missing (macOS)."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), "")
+        with open(cpuinfo) as lines:
+            return next((line for line in lines if line.split(":")[0].strip() in ("flags", "Features")), "")
     except OSError:
         return ""

@@ -51,3 +51,34 @@ def test_a_lock_left_by_a_killed_loader_does_not_stop_the_next(tmp_path: Path) -
                            "assert kernel_module() is not None"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert not lock.exists() or lock.stat().st_mtime > 0
+
+
+_ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm sve bf16
+CPU implementer\t: 0x41
+CPU part\t: 0xd40
+"""
+
+
+def test_the_cpu_flags_line_of_x86_and_arm(tmp_path: Path) -> None:
+    """The line that names the instruction-set extensions: x86's `flags`, Arm's `Features` (a Graviton 3's
+    here); none on a system without /proc/cpuinfo."""
+    arm, x86 = tmp_path / "arm", tmp_path / "x86"
+    arm.write_text(_ARM_CPUINFO)
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 fma avx512f\nbugs\t\t: sysret\n")
+    assert cpu_kernels._cpu_flags(str(arm)).partition(":")[2].split()[-2:] == ["sve", "bf16"]
+    assert cpu_kernels._cpu_flags(str(x86)).partition(":")[2].split() == ["fpu", "avx2", "fma", "avx512f"]
+    assert cpu_kernels._cpu_flags(str(tmp_path / "missing")) == ""
+
+
+def test_a_build_is_named_for_its_cpu_and_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two machines that share a home directory (its build cache) get builds of different names when their CPU
+    flags or their architectures differ: a `-march=native` build must not run on another kind of CPU."""
+    names = set()
+    for machine, flags in (("aarch64", "Features : fp asimd"), ("aarch64", "Features : fp asimd sve bf16"),
+                           ("x86_64", "Features : fp asimd")):
+        monkeypatch.setattr(cpu_kernels.platform, "machine", lambda machine=machine: machine)
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda flags=flags: flags)
+        names.add(cpu_kernels.extension_name())
+    assert len(names) == 3
