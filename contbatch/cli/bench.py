@@ -108,6 +108,12 @@ def _bench(args: argparse.Namespace) -> int:
     if decoding_of(args) != GREEDY and not args.serve and args.workload != "throughput":
         raise ValueError(f"--temperature, --top-p and --top-k apply to the throughput workload and --serve; "
                          f"--workload {args.workload} decodes as its own table says")
+    status = _run_bench(args)
+    _note_machine(args.output)
+    return status
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     if args.serve:
         from contbatch.bench import serve as bench_serve
 
@@ -123,6 +129,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.workload != "throughput":
         return _bench_workload(args)
     return _bench_throughput(args)
+
+
+def _note_machine(output: str | None) -> None:
+    """Prints the machine's lines (`describe_machine`) and adds them to the table written to `output`."""
+    from contbatch.bench.machine import describe_machine
+
+    lines = describe_machine()
+    print("\n" + "\n".join(lines))
+    if output and Path(output).exists():
+        with open(output, "a") as table:
+            table.write("\n" + "\n".join(lines) + "\n")
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
@@ -267,7 +284,7 @@ def _bench_grpo_trl(args: argparse.Namespace) -> int:
                                       num_generations=args.samples, max_completion_length=args.max_new_tokens,
                                       steps=args.grpo_steps)
     table = benchmark.format_table(benchmark.compare([names[e] for e in engines], settings), settings)
-    text = f"{table}\n\n{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
+    text = table
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
@@ -281,8 +298,7 @@ def _bench_dataset(args: argparse.Namespace) -> int:
 
     gsm8k, streaming = dataset.compare(args.num_prompts, args.max_new_tokens, args.replicas, args.dataset_lines,
                                        args.limit, rss_max_new_tokens=16)
-    text = (f"{dataset.format_tables(gsm8k, streaming, args.num_prompts, args.max_new_tokens)}\n\n"
-            f"{os.cpu_count()} CPUs")
+    text = dataset.format_tables(gsm8k, streaming, args.num_prompts, args.max_new_tokens)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
@@ -296,7 +312,7 @@ def _bench_eval(args: argparse.Namespace) -> int:
 
     settings = benchmark.EvalBenchSettings(str(resolve_model_dir(args.model)), limit=args.num_prompts)
     table = benchmark.format_table(benchmark.compare(settings), settings)
-    text = f"{table}\n\n{os.cpu_count()} CPUs"
+    text = table
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")

@@ -231,3 +231,23 @@ def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
             return next((line for line in lines if line.split(":")[0].strip() in ("flags", "Features")), "")
     except OSError:
         return ""
+
+
+def describe_build() -> str:
+    """The kernels' build on this machine in one line, for a benchmark's notes: its `-march` target, the
+    instruction sets of the panel product and the head screen, and the prefetch levels chosen here. Loads a build
+    that exists on disk; never starts one (a process that has not loaded the kernels says so)."""
+    name = extension_name()
+    built = kernel_module.cache_info().currsize > 0 or (build_directory(name) / f"{name}.so").exists()
+    module = kernel_module() if built else None
+    if module is None:
+        state = "off (CONTBATCH_CPU_KERNELS=0)" if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0" else "not built"
+        return f"contbatch's CPU kernels: {state}"
+    panels = ("none" if panel_gemm() is None else
+              ("AVX-512" if wide_panels() else "AVX2") + (", bfloat16 in pairs (AVX512-BF16)" if pair_panels() else ""))
+    levels = f"attention L{module.attention_prefetch()}" + (
+        f", panels L{module.panel_prefetch()}" if module.has_panel_gemm() else "")
+    screen = ("8-bit codes (VNNI)" if module.has_vnni() else
+              "7-bit codes" + (", contbatch's AVX2 product" if module.has_screen_product() else ""))
+    return (f"contbatch's CPU kernels: -march={target_arch()}; panel product {panels}; head screen {screen}; "
+            f"prefetch {levels}")

@@ -29,8 +29,9 @@ def test_the_narrower_target_of_each_cpu() -> None:
 
 
 def test_the_build_takes_its_targets_paths() -> None:
-    """Under `x86-64-v3`: the AVX2 panels, no AVX-512 or AVX512-BF16 ones, the AVX2 draw, no VNNI (so no head
-    screen); under `x86-64`: neither the panel kernel nor the draw kernel, their callers' other paths instead."""
+    """Under `x86-64-v3`: the AVX2 panels, no AVX-512 or AVX512-BF16 ones, the AVX2 draw, no VNNI (so the head
+    screen's 7-bit codes); under `x86-64`: neither the panel kernel nor the draw kernel, their callers' other paths
+    instead."""
     arch = cpu_kernels.target_arch()
     module = cpu_kernels.kernel_module()
     if arch not in ("x86-64-v3", "x86-64") or module is None:
