@@ -46,7 +46,8 @@ lint: $(STAMP)
 ARCH_TESTS := tests/engine/test_cpu_arch.py tests/engine/test_decode_kernel.py tests/engine/test_panel_gemm.py \
 	tests/engine/test_head_screen.py tests/engine/test_sampler.py tests/engine/test_sampler_draws.py \
 	tests/engine/test_fused_modules.py tests/engine/test_fused_attention.py tests/engine/test_packed_weights.py \
-	tests/engine/test_bfloat16.py tests/engine/test_parity.py tests/engine/test_kernel_tuning.py
+	tests/engine/test_bfloat16.py tests/engine/test_parity.py tests/engine/test_kernel_tuning.py \
+	tests/engine/test_layer_op.py
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a process so that module fixtures load once.
 TEST_WORKERS ?= 2

@@ -32,8 +32,9 @@ contbatch's forwards, and gives the model its own modules back afterwards: other
 a forward runs (a forward on another thread meanwhile computes the same function with them). Before each
 forward every packed copy is checked against its weight's storage and version counter and packed again when the
 weight changed (an optimizer step in place, a reload), so it never serves stale weights (`weights_changed`
-covers writes that bypass the version counter). A compiled forward calls the product as the opaque op
-`contbatch::packed_linear`.
+covers writes that bypass the version counter). A compiled forward calls a layer's product as the C++ operator
+`contbatch_native::layer_product` (`layer_op`) where the kernels are built, else, and for the head, as the opaque
+Python op `contbatch::packed_linear`.
 
 The copies cost memory: the head's always, the layers' (about the model's size) only when they fit in
 `LAYER_MEMORY_SHARE` of the machine's memory (`pending_packed_bytes` says how much, for the KV cache's
@@ -52,12 +53,13 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contbatch.engine import layer_op
 from contbatch.engine.cpu_kernels import PanelLinear, pack_panels, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_product import SlicedHead, chunked_product, pack_slices, sliced_product, slices_head
 from contbatch.engine.head_screen import forget as forget_screen
@@ -204,6 +206,7 @@ class PackedLinear(nn.Module):
         self.handle = next(_handles)
         self._packed_from: tuple[int, int, bool, bool] | None = None
         self._direct: tuple[PanelLinear, torch.Tensor, int, int] | None = None
+        self._native: Any = None  # `layer_op`'s operator, which a compiled forward calls for this layer's product
         # plain references: `nn.Module.__getattr__` on a parameter costs microseconds, and every forward checks
         # a few hundred of these
         self._parameters_of: tuple[torch.Tensor, torch.Tensor | None] = (linear.weight, linear.bias)
@@ -231,6 +234,9 @@ class PackedLinear(nn.Module):
             gemm, packed = panel_gemm() if panels else None, _packed[self.handle]
             self._direct = (None if gemm is None or self.handle in _heads or not isinstance(packed, torch.Tensor)
                             else (gemm, packed, weight.shape[0], self.max_rows or -1))
+            self._native = None
+            if self.handle not in _heads and isinstance(packed, torch.Tensor):
+                self._native = layer_op.register(self.handle, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         direct = self._direct
@@ -243,6 +249,8 @@ class PackedLinear(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if needs_grad or x.dtype != weight.dtype:
             return F.linear(x, weight, bias)
+        if compiling and self._native is not None:
+            return self._native(x, weight, bias, self.handle, self.max_rows)
         product = packed_linear if compiling else packed_product
         return product(x, weight, bias, self.handle, self.max_rows, self.panels)
 
@@ -259,6 +267,7 @@ class PackedLinear(nn.Module):
 
 
 def _forget_handle(handle: int) -> None:
+    layer_op.forget(handle)
     _packed.pop(handle, None)
     _heads.discard(handle)
     forget_screen(handle)

@@ -31,6 +31,10 @@ bool has_pair_panels();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const c10::optional<at::Tensor>& bias);
 
+// layer_op.cpp
+void register_packed(int64_t handle, const at::Tensor& packed);
+void forget_packed(int64_t handle);
+
 // fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
@@ -78,6 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the cache level (1 or 2) panel_linear prefetches its next panels to, for the whole process");
   m.def("panel_prefetch", &panel_prefetch, "the cache level panel_linear prefetches its next panels to");
   m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
+  m.def("register_packed", &register_packed, "a layer's packed weight for the operator contbatch_native::layer_product");
+  m.def("forget_packed", &forget_packed, "drop the packed weight registered under a handle");
   m.def("rms_norm", &rms_norm, kNoGil, "LlamaRMSNorm's forward over [M, n] rows (CPU, float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, kNoGil, "F.silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("rope", &rope, kNoGil, "apply_rotary_pos_emb over query and key rows (CPU, float32 or bfloat16)");
