@@ -55,32 +55,35 @@ class Workload:
         """Grows `num_blocks` until the engine admits the longest request (a hybrid model's block holds one layer
         group, so the engine, not the seed, knows the count)."""
         while True:
-            engine = make_engine(tiny_model(self.family), **self.config)
-            try:
-                for index, prompt in enumerate(self.prompts):
-                    engine.make_request(prompt, f"r{index}", self.max_new[index])
-                return
-            except ValueError as error:
-                if "can ever hold" not in str(error):
-                    raise
-                self.config["num_blocks"] = int(self.config["num_blocks"]) * 3 // 2 + 1  # type: ignore[call-overload]
+            with make_engine(tiny_model(self.family), **self.config) as engine:
+                try:
+                    for index, prompt in enumerate(self.prompts):
+                        engine.make_request(prompt, f"r{index}", self.max_new[index])
+                    return
+                except ValueError as error:
+                    if "can ever hold" not in str(error):
+                        raise
+            self.config["num_blocks"] = int(self.config["num_blocks"]) * 3 // 2 + 1  # type: ignore[call-overload]
 
     def run(self) -> dict[str, GenerationOutput]:
         """Each request added at its arrival step, the engine stepped until idle; the finished outputs by id. Asserts
         the pool is whole afterwards."""
-        engine = make_engine(tiny_model(self.family), **self.config)
+        model = tiny_model(self.family)
+        own_attention = model.config._attn_implementation
         collector, step, waiting = OutputCollector(), 0, list(range(len(self.prompts)))
-        while waiting or engine.has_unfinished_requests():
-            for index in [index for index in waiting if self.arrivals[index] <= step]:
-                eos = [self.eos[index]] if index in self.eos else None
-                engine.add_request(self.prompts[index], request_id=f"r{index}", max_new_tokens=self.max_new[index],
-                                   eos_token_id=eos)
-                waiting.remove(index)
-            collector.add(engine.step())
-            step += 1
-            assert step < 5_000, "the engine stopped making progress"
-        engine.check_integrity()
-        assert engine.block_pool.is_whole
+        with make_engine(model, **self.config) as engine:
+            while waiting or engine.has_unfinished_requests():
+                for index in [index for index in waiting if self.arrivals[index] <= step]:
+                    eos = [self.eos[index]] if index in self.eos else None
+                    engine.add_request(self.prompts[index], request_id=f"r{index}",
+                                       max_new_tokens=self.max_new[index], eos_token_id=eos)
+                    waiting.remove(index)
+                collector.add(engine.step())
+                step += 1
+                assert step < 5_000, "the engine stopped making progress"
+            engine.check_integrity()
+            assert engine.block_pool.is_whole
+        assert model.config._attn_implementation == own_attention
         return collector.finished
 
 
