@@ -9,7 +9,8 @@ decode steps of one row took 24.7 against 26.4 ms, of 32 rows 59.9 against 62.8 
 each of six alternated processes, averaged; docs/performance.md, "a fifty-fifth session"). The output head keeps the
 Python op (its head screen is Python).
 
-`CONTBATCH_NATIVE_LAYER_OP=0` keeps the Python op (read when a layer's weight is packed).
+`CONTBATCH_NATIVE_LAYER_OP=0` keeps the Python op in graphs compiled after (read when a layer's weight is
+packed).
 """
 
 from __future__ import annotations
@@ -41,15 +42,12 @@ def native_layer_op() -> Any:
 
 
 def register(handle: int, packed: torch.Tensor) -> Any:
-    """Makes `packed` (panels or oneDNN's layout) the weight the operator uses for `handle`; returns the operator
-    (`native_layer_op()`, which the layer's compiled forwards call), or None where it is not built or turned off
-    (`CONTBATCH_NATIVE_LAYER_OP`, read when a layer is packed)."""
-    operator = native_layer_op()
-    if operator is not None:
+    """Makes `packed` (panels or oneDNN's layout) the weight the operator uses for `handle`, wherever the operator
+    is built (a graph compiled while it was on keeps calling it); returns `native_layer_op()`, the operator the
+    layer's next compiled forwards call, or None."""
+    if _operator() is not None:
         kernel_module().register_packed(handle, packed)
-    else:
-        forget(handle)
-    return operator
+    return native_layer_op()
 
 
 def forget(handle: int) -> None:

@@ -234,9 +234,8 @@ class PackedLinear(nn.Module):
             gemm, packed = panel_gemm() if panels else None, _packed[self.handle]
             self._direct = (None if gemm is None or self.handle in _heads or not isinstance(packed, torch.Tensor)
                             else (gemm, packed, weight.shape[0], self.max_rows or -1))
-            self._native = None
-            if self.handle not in _heads and isinstance(packed, torch.Tensor):
-                self._native = layer_op.register(self.handle, packed)
+            self._native = (layer_op.register(self.handle, packed)
+                            if isinstance(packed, torch.Tensor) and self.handle not in _heads else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         direct = self._direct

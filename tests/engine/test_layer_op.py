@@ -40,12 +40,18 @@ def test_the_operator_computes_the_python_product(dtype: torch.dtype, bias: bool
             assert torch.equal(op(x, linear.weight, linear.bias, packed.handle, 16), expected), shape
 
 
-def test_a_weight_update_reaches_the_operator_and_a_collected_layer_is_forgotten() -> None:
+def test_a_weight_update_reaches_the_operator_and_a_collected_layer_is_forgotten(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also with the operator turned off after a graph was compiled with it: that graph still gets the new weight,
+    while the layer's later compiles take the Python op."""
     linear, packed = _layer(torch.float32, False, 0, True)
     op, x = layer_op.native_layer_op(), torch.randn(3, 72)
+    assert packed._native is op
+    monkeypatch.setenv(layer_op.ENV, "0")
     with torch.no_grad():
         linear.weight.mul_(2)
     packed.refresh()
+    assert packed._native is None
     with torch.no_grad():
         torch.testing.assert_close(op(x, linear.weight, None, packed.handle, 0), x @ linear.weight.T)
     handle, weight = packed.handle, linear.weight.detach().clone()
