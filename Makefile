@@ -58,8 +58,9 @@ test: lint
 
 # What `make test` leaves out: further cases of paths it covers (marked `slow`: the varlen graphs of three more model
 # families under Triton's interpreter, the embedded model's parity on 32 prompts where `make test` checks 8, two model
-# families' compiled cases whose eager ones `make test` runs), and Ray Data's pipeline (its start-up takes about a
-# minute on 2 cores; `make test` covers the Ray integration through the driver's replicas).
+# families' compiled cases whose eager ones `make test` runs, 80 more seeds of the random workloads), and Ray Data's
+# pipeline (its start-up takes about a minute on 2 cores; `make test` covers the Ray integration through the driver's
+# replicas).
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m slow tests
 	CONTBATCH_RAY_DATA_TEST=1 $(BIN)/python -m pytest tests/jobs/test_ray.py -k map_batches
