@@ -71,6 +71,8 @@ class VllmRun:
         warmup_s: seconds of the untimed warm-up generate call.
         versions: "vllm_version" and "torch_version" of the peers environment.
         env: the environment variables set for vLLM (`VLLM_CPU_ENV`, `VLLM_CPU_KVCACHE_SPACE`, `LD_PRELOAD`).
+        block_size: tokens per block of vLLM's KV cache (its prefix cache shares whole blocks); None where the
+            runner did not report it.
     """
 
     result: BenchResult
@@ -78,6 +80,7 @@ class VllmRun:
     warmup_s: float
     versions: dict[str, str]
     env: dict[str, str]
+    block_size: int | None = None
 
 
 def peers_python(python: str | Path | None = None) -> Path:
@@ -135,40 +138,52 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 def build_request(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tokens: int,
                   eos_token_id: EosTokenId, dtype: str | torch.dtype, kv_cache_gib: int,
-                  enforce_eager: bool, warm_pass: bool = False, decoding: Decoding = GREEDY) -> dict[str, object]:
+                  enforce_eager: bool, warm_pass: bool = False, decoding: Decoding = GREEDY,
+                  samples: int = 1) -> dict[str, object]:
     """The runner's request object (see `vllm_runner`'s module docstring for the fields)."""
     return {"model": str(model_dir), "dtype": dtype_name(dtype), "max_new_tokens": max_new_tokens,
             "eos_token_ids": eos_list(eos_token_id), "prompts": [list(map(int, ids)) for ids in inputs],
             "kv_cache_gib": kv_cache_gib, "enforce_eager": enforce_eager, "warm_pass": warm_pass,
-            "temperature": decoding.temperature, "top_p": decoding.top_p, "top_k": decoding.top_k}
+            "temperature": decoding.temperature, "top_p": decoding.top_p, "top_k": decoding.top_k,
+            "samples": samples}
 
 
-def parse_result(text: str, inputs: Sequence[Sequence[int]], engine: str = VLLM_ENGINE_NAME) -> VllmRun:
-    """Turn the runner's result JSON `text` into a `VllmRun` for the prompts `inputs` (its `env` left empty).
+def parse_result(text: str, inputs: Sequence[Sequence[int]], engine: str = VLLM_ENGINE_NAME,
+                 samples: int = 1) -> VllmRun:
+    """Turn the runner's result JSON `text` into a `VllmRun` for the prompts `inputs`, `samples` completions
+    each (its `env` left empty). Its result counts every completion's prompt as processed, and carries the
+    prompt tokens vLLM took from its prefix cache.
 
     Raises:
-        RuntimeError: the result is malformed or has a different number of outputs than `inputs`.
+        RuntimeError: the result is malformed or has other than `samples` outputs per prompt of `inputs`.
     """
     try:
         data = json.loads(text)
         outputs = [[int(token) for token in ids] for ids in data["outputs"]]
         generate_s, load_s, warmup_s = float(data["generate_s"]), float(data["load_s"]), float(data["warmup_s"])
+        cached = int(data.get("cached_tokens", 0))
+        block_size = None if data.get("block_size") is None else int(data["block_size"])
     except (ValueError, KeyError, TypeError) as error:
         raise RuntimeError(f"vLLM peer: malformed runner result ({error!r}): {text[:200]!r}") from error
-    if len(outputs) != len(inputs):
-        raise RuntimeError(f"vLLM peer: the runner returned {len(outputs)} outputs for {len(inputs)} prompts")
+    if len(outputs) != samples * len(inputs):
+        raise RuntimeError(f"vLLM peer: the runner returned {len(outputs)} outputs for {len(inputs)} prompts x "
+                           f"{samples} samples")
     result = BenchResult(engine=engine, wall_s=generate_s, generated_tokens=sum(map(len, outputs)),
-                         prompt_tokens=sum(len(ids) for ids in inputs), outputs=outputs)
+                         prompt_tokens=samples * sum(len(ids) for ids in inputs), outputs=outputs,
+                         cached_prompt_tokens=cached)
     versions = {key: str(data.get(key, "?")) for key in ("vllm_version", "torch_version")}
-    return VllmRun(result=result, load_s=load_s, warmup_s=warmup_s, versions=versions, env={})
+    return VllmRun(result=result, load_s=load_s, warmup_s=warmup_s, versions=versions, env={},
+                   block_size=block_size)
 
 
 def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tokens: int,
              eos_token_id: EosTokenId, dtype: str | torch.dtype = "float32", *, python: str | Path | None = None,
              runner: str | Path = RUNNER_PATH, kv_cache_gib: int = KV_CACHE_GIB, enforce_eager: bool = False,
-             warm_pass: bool = False, timeout_s: float | None = 3600.0, decoding: Decoding = GREEDY) -> VllmRun:
-    """Run the workload through vLLM-CPU in the peers environment: `decoding` (greedy by default), at most
-    `max_new_tokens` per prompt, stopping at (and counting) the first EOS, as the other engines of `throughput` do.
+             warm_pass: bool = False, timeout_s: float | None = 3600.0, decoding: Decoding = GREEDY,
+             samples: int = 1) -> VllmRun:
+    """Run the workload through vLLM-CPU in the peers environment: `decoding` (greedy by default), `samples`
+    completions per prompt (vLLM's `n`), at most `max_new_tokens` each, stopping at (and counting) the first EOS,
+    as the other engines of `throughput` do.
 
     `result.wall_s` times only vLLM's `generate` over all prompts; model load, compilation and a short warm-up
     (2 prompts x 4 tokens; with `warm_pass` the whole workload, vLLM's prefix cache reset after it) come before
@@ -183,7 +198,7 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
     interpreter = peers_python(python)
     env, settings = runner_env(interpreter, os.environ, kv_cache_gib)
     request = build_request(model_dir, inputs, max_new_tokens, eos_token_id, dtype, kv_cache_gib, enforce_eager,
-                            warm_pass, decoding)
+                            warm_pass, decoding, samples)
     with tempfile.TemporaryDirectory(prefix="contbatch-vllm-") as tmp:
         request_path, result_path, log_path = (Path(tmp) / name for name in ("request.json", "result.json", "log"))
         request_path.write_text(json.dumps(request))
@@ -199,7 +214,7 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
             tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
             reason = f"timed out after {timeout_s} s" if status is None else f"exited with status {status}"
             raise RuntimeError(f"vLLM peer: `{' '.join(command)}` {reason}; log tail:\n{tail}")
-        run = parse_result(result_path.read_text(), inputs)
+        run = parse_result(result_path.read_text(), inputs, samples=samples)
     run.env = settings
     return run
 
@@ -231,9 +246,11 @@ def agreement_lines(results: Sequence[BenchResult], reference: str = "contbatch"
 
 
 def settings_line(run: VllmRun) -> str:
-    """A line naming vLLM's version, load time and the settings it ran with (for the benchmark's notes)."""
+    """A line naming vLLM's version, load time, KV block size and the settings it ran with (for the benchmark's
+    notes)."""
     shown = {key: ":".join(Path(entry).name for entry in value.split(":")) if key == "LD_PRELOAD" else value
              for key, value in run.env.items() if key != "VLLM_LOGGING_LEVEL"}
     settings = " ".join(f"{key}={value}" for key, value in sorted(shown.items()))
+    block = "" if run.block_size is None else f"; KV blocks of {run.block_size} tokens"
     return (f"{VLLM_ENGINE_NAME}: vllm {run.versions['vllm_version']}, torch {run.versions['torch_version']}, "
-            f"load + compile {run.load_s:.1f} s and warm-up {run.warmup_s:.1f} s untimed; {settings}")
+            f"load + compile {run.load_s:.1f} s and warm-up {run.warmup_s:.1f} s untimed{block}; {settings}")

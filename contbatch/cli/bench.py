@@ -42,19 +42,20 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                                 "dataset"],
                        default="throughput",
                        help="throughput: N GSM8K prompts vs transformers' engines; prefix: N prompts behind one "
-                       "~200-token system prompt, prefix caching on vs off; grpo: N prompts x --samples samples, "
-                       "temperature 1.0, vs transformers' generate_batch; grpo-trl: TRL GRPO training steps of N "
-                       "prompts x --samples generations, ContbatchGRPOTrainer vs TRL's transformers-CB and generate "
-                       "paths (extra `trl`); eval: the shipped lm-eval tasks (first N documents each) through the "
-                       "contbatch backend and lm-eval's hf backend (extra `eval`); structured: N GSM8K prompts "
-                       "asking for a JSON answer, with and without the JSON schema enforced (extra `structured`); "
-                       "beam: N GSM8K prompts, beam search with --num-beams beams, contbatch vs static "
-                       "generate(num_beams) in batches of --static-batch-size; otel: N GSM8K prompts through "
-                       "contbatch with OpenTelemetry off, on (spans and metrics exported over OTLP/HTTP to a local "
-                       "receiver) and on with detailed traces, --rounds times each, interleaved (extra `otel`); "
-                       "dataset: `contbatch generate` on N GSM8K questions single-process and with --ray "
-                       "--replicas --replicas (extra `ray`), then the peak memory of --limit prompts over a "
-                       "generated --dataset-lines input against a 1,000-line one")
+                       "~200-token system prompt, prefix caching on vs off (and vLLM-CPU's, with vllm in "
+                       "--engines); grpo: N prompts x --samples samples, temperature 1.0, vs transformers' "
+                       "generate_batch (transformers in --engines) and vLLM-CPU (vllm); grpo-trl: TRL GRPO "
+                       "training steps of N prompts x --samples generations, ContbatchGRPOTrainer vs TRL's "
+                       "transformers-CB and generate paths (extra `trl`); eval: the shipped lm-eval tasks (first "
+                       "N documents each) through the contbatch backend and lm-eval's hf backend (extra `eval`); "
+                       "structured: N GSM8K prompts asking for a JSON answer, with and without the JSON schema "
+                       "enforced (extra `structured`); beam: N GSM8K prompts, beam search with --num-beams beams,"
+                       " contbatch vs static generate(num_beams) in batches of --static-batch-size; otel: N GSM8K"
+                       " prompts through contbatch with OpenTelemetry off, on (spans and metrics exported over "
+                       "OTLP/HTTP to a local receiver) and on with detailed traces, --rounds times each, "
+                       "interleaved (extra `otel`); dataset: `contbatch generate` on N GSM8K questions "
+                       "single-process and with --ray --replicas --replicas (extra `ray`), then the peak memory "
+                       "of --limit prompts over a generated --dataset-lines input against a 1,000-line one")
     bench.add_argument("--num-beams", type=int, default=4, help="--workload beam: beams per prompt")
     bench.add_argument("--replicas", type=int, default=2, help="--workload dataset: Ray replicas")
     bench.add_argument("--dataset-lines", type=int, default=1_000_000,
@@ -222,18 +223,20 @@ def _run_throughput_engine(name: str, args: argparse.Namespace, model: PreTraine
 def _bench_workload(args: argparse.Namespace) -> int:
     """Run `contbatch bench --workload prefix|grpo|structured|beam`: print (and with `--output` write) the
     workload's table."""
-    from contbatch.bench import beam, structured, throughput, workloads
+    from contbatch.bench import beam, structured, throughput, vllm_peer, workloads
     from contbatch.data.embedded import load_model_and_tokenizer, resolve_model_dir
     from contbatch.data.prompts import chat_inputs, load_prompts
 
     model, tokenizer = load_model_and_tokenizer(args.model, model_dtype(args))
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    vllm = (workloads.VllmPeer(str(resolve_model_dir(args.model)), args.peers_python)
+            if "vllm" in args.engines.split(",") else None)
     if args.workload == "prefix":
         inputs = workloads.shared_prefix_inputs(tokenizer, args.num_prompts)
-        runs = workloads.run_prefix_caching(model, inputs, args.max_new_tokens, eos, engine_config(args))
+        runs = workloads.run_prefix_caching(model, inputs, args.max_new_tokens, eos, engine_config(args), vllm)
         results = [result for result, _ in runs]
         lines = [f"prompt tokens computed, {result.engine}: {computed} of {result.prompt_tokens}"
-                 for result, computed in runs]
+                 for result, computed in runs] + vllm_peer.agreement_lines(results, results[0].engine)
         title = (f"{len(inputs)} GSM8K prompts behind one system prompt ({sum(map(len, inputs))} prompt tokens), "
                  f"greedy, max_new_tokens={args.max_new_tokens}")
     elif args.workload == "beam":
@@ -257,13 +260,13 @@ def _bench_workload(args: argparse.Namespace) -> int:
         inputs = chat_inputs(tokenizer, load_prompts(limit=args.num_prompts))
         peers = "transformers" in args.engines
         results = workloads.run_grpo(model, str(resolve_model_dir(args.model)), inputs, args.samples,
-                                     args.max_new_tokens, eos, engine_config(args), peers)
+                                     args.max_new_tokens, eos, engine_config(args), peers, vllm)
         lines = []
-        title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, temperature 1.0, "
-                 f"max_new_tokens={args.max_new_tokens}")
+        title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, temperature 1.0 (top-k 50, "
+                 f"generate's default), max_new_tokens={args.max_new_tokens}")
     num_params = sum(parameter.numel() for parameter in model.parameters())
     table = throughput.format_table(results, results[0].engine, _cpu_gemm_probe(model), num_params)
-    text = "\n".join([f"workload: {title}", "", table, "", *lines])
+    text = "\n".join([f"workload: {title}", "", table, "", *lines, *(vllm.settings if vllm else [])])
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")

@@ -41,8 +41,10 @@ FAKE_RUNNER = textwrap.dedent(f"""
         with open(os.environ["FAKE_ENV_OUT"], "w") as handle:
             json.dump({{**dict(os.environ), "request": request}}, handle)
         width = request["max_new_tokens"] - 1
-        outputs = [[ids[-1]] * width + request["eos_token_ids"][:1] for ids in request["prompts"]]
-        return vllm_runner.format_result(outputs, 0.5, 2.0, 0.25, {{"vllm_version": "fake", "torch_version": "t"}})
+        outputs = [[ids[-1]] * width + request["eos_token_ids"][:1] for ids in request["prompts"]
+                   for _ in range(request["samples"])]
+        return vllm_runner.format_result(outputs, 0.5, 2.0, 0.25, {{"vllm_version": "fake", "torch_version": "t"}},
+                                         cached_tokens=1, block_size=16)
 
     vllm_runner.run = fake_run
     sys.exit(vllm_runner.main(sys.argv[1:]))
@@ -65,7 +67,7 @@ def test_parse_request_fills_defaults() -> None:
 @pytest.mark.parametrize("change", [
     {"model": 3}, {"dtype": "int8"}, {"max_new_tokens": 0}, {"max_new_tokens": True}, {"kv_cache_gib": 0},
     {"eos_token_ids": ["2"]}, {"prompts": []}, {"prompts": [[]]}, {"prompts": [[1, "x"]]}, {"warm_pass": 1},
-    {"enforce_eager": "yes"},
+    {"enforce_eager": "yes"}, {"samples": 0}, {"samples": True}, {"samples": "2"},
 ])
 def test_parse_request_rejects_bad_fields(change: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -106,6 +108,24 @@ def test_result_round_trip() -> None:
         parse_result(vllm_runner.format_result(outputs[:2], 0.5, 3.0, 0.1, {}), PROMPTS)
     with pytest.raises(RuntimeError, match="malformed"):
         parse_result('{"outputs": []}', PROMPTS)
+
+
+def test_samples_per_prompt_are_vllms_n_and_come_back_prompt_by_prompt() -> None:
+    request = build_request("/m", PROMPTS, 4, [2], "float32", 4, False, samples=2)
+    assert vllm_runner.sampling_kwargs(vllm_runner.parse_request(json.dumps(request)), 9)["n"] == 2
+    assert vllm_runner.sampling_kwargs(vllm_runner.parse_request(_request()), 9)["n"] == 1
+    outputs = [[4, 2], [4, 4, 2], [5], [5, 5], [2], [3, 2]]
+    text = vllm_runner.format_result(outputs, 0.5, 3.0, 0.1, {"vllm_version": "v", "torch_version": "t"},
+                                     cached_tokens=4, block_size=128)
+    run = parse_result(text, PROMPTS, samples=2)
+    assert run.result.outputs == outputs and run.result.generated_tokens == 11
+    assert run.result.prompt_tokens == 18 and run.result.cached_prompt_tokens == 4 and run.block_size == 128
+    assert "KV blocks of 128 tokens" in settings_line(run)
+    with pytest.raises(RuntimeError, match="6 outputs for 3 prompts x 3 samples"):
+        parse_result(text, PROMPTS, samples=3)
+    unsized = parse_result(vllm_runner.format_result(outputs[:3], 0.5, 3.0, 0.1, {}), PROMPTS)
+    assert unsized.block_size is None and unsized.result.cached_prompt_tokens == 0
+    assert "KV blocks" not in settings_line(unsized)
 
 
 def test_dtype_and_eos_spelling() -> None:
@@ -158,6 +178,7 @@ def test_run_vllm_through_a_fake_runner(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert run.result.outputs == [[9, 9, 9, 2], [7, 7, 7, 2], [3, 3, 3, 2]]
     assert run.result.engine == vllm_peer.VLLM_ENGINE_NAME and run.result.generated_tokens == 12
     assert run.result.wall_s == 0.5 and run.load_s == 2.0 and run.versions["vllm_version"] == "fake"
+    assert run.block_size == 16 and run.result.cached_prompt_tokens == 1
     seen = json.loads(env_out.read_text())
     assert seen["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "PYTHONPATH" not in seen
     assert seen["request"]["prompts"] == PROMPTS and seen["request"]["kv_cache_gib"] == vllm_peer.KV_CACHE_GIB
@@ -178,6 +199,32 @@ def test_run_vllm_failure_shows_the_log_tail(tmp_path: Path) -> None:
     slow = _fake_runner(tmp_path, "import time\ntime.sleep(30)\n")
     with pytest.raises(RuntimeError, match="timed out"):
         run_vllm("/m", PROMPTS, 4, 2, python=sys.executable, runner=slow, timeout_s=1.0)
+
+
+def test_the_workloads_run_vllm_on_their_own_inputs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from transformers import GenerationConfig
+
+    from contbatch import ContinuousBatchingConfig
+    from contbatch.bench import workloads
+    from tests.helpers import tiny_model
+
+    env_out = tmp_path / "env.json"
+    monkeypatch.setenv("FAKE_ENV_OUT", str(env_out))
+    peer = workloads.VllmPeer("/models/m", sys.executable, str(_fake_runner(tmp_path)))
+    model, config = tiny_model("llama", "cpu"), ContinuousBatchingConfig(block_size=4, num_blocks=64)
+    runs = workloads.run_prefix_caching(model, PROMPTS, 4, 2, config, peer)
+    assert [result.engine for result, _ in runs][-1] == vllm_peer.VLLM_ENGINE_NAME
+    assert runs[-1][1] == 9 - 1 and all(len(ids) == 4 for ids in runs[0][0].outputs or [])
+    request = json.loads(env_out.read_text())["request"]
+    assert request["warm_pass"] is True and request["temperature"] == 0 and request["samples"] == 1
+    results = workloads.run_grpo(model, "/models/m", PROMPTS, 3, 4, 2, config, peers=False, vllm=peer)
+    assert [result.engine for result in results] == ["contbatch", vllm_peer.VLLM_ENGINE_NAME]
+    assert results[1].prompt_tokens == results[0].prompt_tokens == 27 and results[1].generated_tokens == 36
+    request = json.loads(env_out.read_text())["request"]
+    assert (request["samples"], request["temperature"], request["top_k"], request["top_p"]) == (3, 1.0, 50, 1.0)
+    assert len(peer.settings) == 2 and all("vllm fake" in line for line in peer.settings)
+    top_p = GenerationConfig(do_sample=True, top_p=0.9, top_k=0, temperature=0.5)
+    assert workloads.grpo_decoding(model, top_p) == Decoding(0.5, 0.9, 0)
 
 
 def test_agreement_counts_identical_outputs() -> None:
