@@ -62,12 +62,17 @@ def test_parse_request_fills_defaults() -> None:
     assert request["prompts"] == PROMPTS and request["eos_token_ids"] == [2, 7]
     assert request["warmup_prompts"] == 2 and request["warmup_new_tokens"] == 4
     assert request["enforce_eager"] is False and request["warm_pass"] is False
+    assert request["block_size"] == vllm_peer.BLOCK_SIZE == 32 and request["samples"] == 1
+    unsized = json.loads(_request())
+    del unsized["block_size"], unsized["samples"]
+    assert vllm_runner.parse_request(json.dumps(unsized))["block_size"] is None
 
 
 @pytest.mark.parametrize("change", [
     {"model": 3}, {"dtype": "int8"}, {"max_new_tokens": 0}, {"max_new_tokens": True}, {"kv_cache_gib": 0},
     {"eos_token_ids": ["2"]}, {"prompts": []}, {"prompts": [[]]}, {"prompts": [[1, "x"]]}, {"warm_pass": 1},
-    {"enforce_eager": "yes"}, {"samples": 0}, {"samples": True}, {"samples": "2"},
+    {"enforce_eager": "yes"}, {"samples": 0}, {"samples": True}, {"samples": "2"}, {"block_size": 0},
+    {"block_size": True}, {"block_size": "32"},
 ])
 def test_parse_request_rejects_bad_fields(change: dict[str, object]) -> None:
     with pytest.raises(ValueError):
