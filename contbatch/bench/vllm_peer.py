@@ -203,10 +203,26 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
         RuntimeError: the runner failed or timed out (the message ends with its log's tail), or its result is
             malformed.
     """
-    interpreter = peers_python(python)
-    env, settings = runner_env(interpreter, os.environ, kv_cache_gib)
     request = build_request(model_dir, inputs, max_new_tokens, eos_token_id, dtype, kv_cache_gib, enforce_eager,
                             warm_pass, decoding, samples, block_size)
+    text, settings = run_in_peers(runner, request, python, kv_cache_gib, timeout_s)
+    run = parse_result(text, inputs, samples=samples)
+    run.env = settings
+    return run
+
+
+def run_in_peers(runner: str | Path, request: Mapping[str, object], python: str | Path | None, kv_cache_gib: int,
+                 timeout_s: float | None) -> tuple[str, dict[str, str]]:
+    """Run the script `runner` with the peers environment's Python as `runner REQUEST.json RESULT.json`, with
+    vLLM's settings (`runner_env`) and a socket directory of its own; return the result file's text and the
+    settings.
+
+    Raises:
+        FileNotFoundError: no peers Python (see `peers_python`).
+        RuntimeError: the runner failed, wrote no result or timed out (the message ends with its log's tail).
+    """
+    interpreter = peers_python(python)
+    env, settings = runner_env(interpreter, os.environ, kv_cache_gib)
     with tempfile.TemporaryDirectory(prefix="contbatch-vllm-") as tmp:
         request_path, result_path, log_path = (Path(tmp) / name for name in ("request.json", "result.json", "log"))
         request_path.write_text(json.dumps(request))
@@ -222,9 +238,7 @@ def run_vllm(model_dir: str | Path, inputs: Sequence[Sequence[int]], max_new_tok
             tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
             reason = f"timed out after {timeout_s} s" if status is None else f"exited with status {status}"
             raise RuntimeError(f"vLLM peer: `{' '.join(command)}` {reason}; log tail:\n{tail}")
-        run = parse_result(result_path.read_text(), inputs, samples=samples)
-    run.env = settings
-    return run
+        return result_path.read_text(), settings
 
 
 def count_agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> int:
@@ -256,9 +270,15 @@ def agreement_lines(results: Sequence[BenchResult], reference: str = "contbatch"
 def settings_line(run: VllmRun) -> str:
     """A line naming vLLM's version, load time, KV block size and the settings it ran with (for the benchmark's
     notes)."""
-    shown = {key: ":".join(Path(entry).name for entry in value.split(":")) if key == "LD_PRELOAD" else value
-             for key, value in run.env.items() if key != "VLLM_LOGGING_LEVEL"}
-    settings = " ".join(f"{key}={value}" for key, value in sorted(shown.items()))
+    settings = describe_settings(run.env)
     block = "" if run.block_size is None else f"; KV blocks of {run.block_size} tokens"
     return (f"{VLLM_ENGINE_NAME}: vllm {run.versions['vllm_version']}, torch {run.versions['torch_version']}, "
             f"load + compile {run.load_s:.1f} s and warm-up {run.warmup_s:.1f} s untimed{block}; {settings}")
+
+
+def describe_settings(env: Mapping[str, str]) -> str:
+    """vLLM's settings `env` (`runner_env`'s second value) as "KEY=value ..." in key order, preloaded libraries by
+    file name, the log level left out."""
+    shown = {key: ":".join(Path(entry).name for entry in value.split(":")) if key == "LD_PRELOAD" else value
+             for key, value in env.items() if key != "VLLM_LOGGING_LEVEL"}
+    return " ".join(f"{key}={value}" for key, value in sorted(shown.items()))

@@ -309,13 +309,25 @@ def _bench_dataset(args: argparse.Namespace) -> int:
 
 
 def _bench_eval(args: argparse.Namespace) -> int:
-    """Run `contbatch bench --workload eval`: the shipped lm-eval tasks through contbatch and hf; print the table."""
+    """Run `contbatch bench --workload eval`: the shipped lm-eval tasks through contbatch and hf, and with vllm in
+    `--engines` through lm-eval's vllm backend in the peers environment; print the table."""
+    from contbatch.bench import eval_peer
     from contbatch.data.embedded import resolve_model_dir
+    from contbatch.data.lm_eval_tasks import TASKS_DIR
     from contbatch.integrations.lm_eval import benchmark
 
-    settings = benchmark.EvalBenchSettings(str(resolve_model_dir(args.model)), limit=args.num_prompts)
-    table = benchmark.format_table(benchmark.compare(settings), settings)
-    text = table
+    settings = benchmark.EvalBenchSettings(str(resolve_model_dir(args.model)), limit=args.num_prompts,
+                                           dtype=model_dtype(args) or torch.float32)
+    runs = benchmark.compare(settings)
+    notes = []
+    if "vllm" in args.engines.split(","):
+        metrics = {task: benchmark.METRICS[task] for task in settings.tasks}
+        peer = eval_peer.run_vllm_eval(settings.model_dir, TASKS_DIR, metrics, settings.limit, settings.dtype,
+                                       python=args.peers_python)
+        runs += [benchmark.EvalRun(run.task, "vllm", "all at once", run.wall_s, run.num_docs, run.num_requests,
+                                   run.metric) for run in peer.runs]
+        notes.append(peer.settings)
+    text = "\n".join([benchmark.format_table(runs, settings), *notes])
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
