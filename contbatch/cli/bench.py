@@ -262,8 +262,9 @@ def _bench_workload(args: argparse.Namespace) -> int:
         results = workloads.run_grpo(model, str(resolve_model_dir(args.model)), inputs, args.samples,
                                      args.max_new_tokens, eos, engine_config(args), peers, vllm)
         lines = []
-        title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, temperature 1.0 (top-k 50, "
-                 f"generate's default), max_new_tokens={args.max_new_tokens}")
+        sampling = workloads.grpo_decoding(model, workloads.grpo_generation_config(args.samples, 1, eos))
+        title = (f"{len(inputs)} GSM8K prompts x {args.samples} samples, {sampling.describe()}, "
+                 f"max_new_tokens={args.max_new_tokens}")
     num_params = sum(parameter.numel() for parameter in model.parameters())
     table = throughput.format_table(results, results[0].engine, _cpu_gemm_probe(model), num_params)
     text = "\n".join([f"workload: {title}", "", table, "", *lines, *(vllm.settings if vllm else [])])
