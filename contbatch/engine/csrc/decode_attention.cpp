@@ -15,7 +15,9 @@
 // positions in order, whatever the width. Each key row is prefetched 32 positions before it is read, each value row
 // during the key pass, and the key rows of a thread's next task while the current one's value pass runs. Elsewhere
 // a scalar two-pass loop computes the same function. The prefetches go to L1 or to L2 (`set_attention_prefetch`):
-// which streams faster depends on the CPU, and contbatch measures it once a machine (engine/kernel_tuning.py).
+// which streams faster depends on the CPU, and contbatch measures it once a machine (engine/kernel_tuning.py). A task
+// right after its thread's task of the same request's previous row (a prefill chunk) prefetches nothing: its rows
+// are in cache (`kWarmBytes`).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -23,11 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_task.h"
 #include "simd.h"
-
-// Blocks of the cache are scattered: the hardware prefetcher stops at each block's end, so every row is fetched
-// kPrefetchAhead positions before it is read (prefetching changes no arithmetic).
-constexpr int64_t kPrefetchAhead = 8;
 
 static std::atomic<int64_t> prefetch_level{1};
 
@@ -38,25 +37,6 @@ void set_attention_prefetch(int64_t level) {
 }
 
 int64_t attention_prefetch() { return prefetch_level.load(std::memory_order_relaxed); }
-
-// Loc: __builtin_prefetch's locality, 3 for L1, 2 for L2.
-template <int Loc, typename T>
-static inline void prefetch_row(const T* row, int64_t dim) {
-  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
-  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d, 0, Loc);
-}
-
-template <typename T>
-struct Task {
-  const float* q;        // [group, dim] the query heads of one kv head
-  const T* k;            // this kv head's key slots
-  const T* v;            // this kv head's value slots
-  const int64_t* slots;  // the request's slot of each position
-  int64_t first, length, group, dim;
-  float scale, softcap;
-  float* out;            // [group, dim]
-  const float* sinks;    // [group] the query heads' sink logits (gpt-oss), or null
-};
 
 template <int Loc, typename T>
 static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc) {
@@ -290,6 +270,10 @@ static std::vector<int64_t> balanced_parts(const int64_t* length, const int64_t*
   return bounds;
 }
 
+// A task reading at most this many bytes of keys and values right after this thread's task of its request's previous
+// row finds them in cache (L2 is 1-2 MB a core on current x86 servers) and prefetches nothing (`prefetch_row`).
+constexpr int64_t kWarmBytes = 1 << 20;
+
 template <int Loc, typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
@@ -310,15 +294,17 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
     for (int64_t task = begin; task < end; ++task) {
       const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
       const Task<T>* next = task + 1 < end ? &following : nullptr;
+      const bool warm = task - kv_heads >= begin && make(task - kv_heads).slots == t.slots &&
+                        (t.length - t.first) * dim * static_cast<int64_t>(2 * sizeof(T)) <= kWarmBytes;
 #ifdef CONTBATCH_AVX512
       if (dim % 16 == 0) {
-        attend_simd<Lanes16, Loc>(t, next, scratch_a);
+        warm ? attend_simd<Lanes16, 0>(t, next, scratch_a) : attend_simd<Lanes16, Loc>(t, next, scratch_a);
         continue;
       }
 #endif
 #ifdef CONTBATCH_AVX2
       if (dim % 8 == 0) {
-        attend_simd<Lanes8, Loc>(t, next, scratch_a);
+        warm ? attend_simd<Lanes8, 0>(t, next, scratch_a) : attend_simd<Lanes8, Loc>(t, next, scratch_a);
         continue;
       }
 #endif

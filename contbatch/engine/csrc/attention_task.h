@@ -1,0 +1,33 @@
+// The unit of work of contbatch's CPU paged attention (decode_attention.cpp): one query row's heads of one kv head
+// against that row's range of its request's keys, and the prefetches its passes share.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+// Blocks of the cache are scattered: the hardware prefetcher stops at each block's end, so every row is fetched
+// kPrefetchAhead positions before it is read (prefetching changes no arithmetic).
+constexpr int64_t kPrefetchAhead = 8;
+
+// Loc: __builtin_prefetch's locality, 3 for L1, 2 for L2; 0: no prefetch, for rows in cache already (a prefill
+// chunk's rows after its first: prefetch instructions cost issue slots, and prefetching rows in cache made the
+// kernel a quarter slower there, docs/performance.md, "a fifty-seventh session").
+template <int Loc, typename T>
+static inline void prefetch_row(const T* row, int64_t dim) {
+  if constexpr (Loc == 0) return;
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d, 0, Loc);
+}
+
+template <typename T>
+struct Task {
+  const float* q;        // [group, dim] the query heads of one kv head
+  const T* k;            // this kv head's key slots
+  const T* v;            // this kv head's value slots
+  const int64_t* slots;  // the request's slot of each position
+  int64_t first, length, group, dim;
+  float scale, softcap;
+  float* out;            // [group, dim]
+  const float* sinks;    // [group] the query heads' sink logits (gpt-oss), or null
+};
+
