@@ -13,7 +13,8 @@ with no second copy); the head takes its packed copy always (a head whose output
 fresh mapping, in row chunks, or for a large vocabulary in column slices: `head_product`). Where ATen runs AVX-512
 (`cpu_has_avx512`), MKL runs 2-3x below oneDNN's prepacked product at every row count (on an AVX-512 AMD EPYC), and
 the layers take the panel kernel's AVX-512 tiles at every row count (`wide_panels`: 1.1-1.3x oneDNN at decode sizes,
-as fast at 512 rows), or oneDNN's copy where the kernel lacks them.
+as fast at 512 rows), or oneDNN's copy where the kernel lacks them; on an Intel CPU, where MKL is fast
+(`mkl_is_fast`), the tiles only up to `LAYER_MAX_ROWS` rows and MKL's `F.linear` above.
 
 Where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16 products are not available,
 `torch.ops.mkldnn._is_mkldnn_bf16_supported()`), `F.linear` in bfloat16 runs at about a seventh of the float32
@@ -45,7 +46,6 @@ keeps oneDNN where the panel kernel would run.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contbatch.engine import layer_op
+from contbatch.engine.cpu_features import cpu_has_amx, cpu_has_avx512, cpu_has_bf16, mkl_is_fast
 from contbatch.engine.cpu_kernels import PanelLinear, pack_panels, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_product import SlicedHead, chunked_product, pack_slices, sliced_product, slices_head
 from contbatch.engine.head_screen import forget as forget_screen
@@ -125,10 +126,11 @@ def _panel_call(gemm: PanelLinear, x: torch.Tensor, panels: torch.Tensor, out_fe
 
 
 def _unpacked_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A layer's product above its `max_rows`: oneDNN's over the plain float32 weight (reordered at each call), else
-    `F.linear`. On a Zen 3 at 512 rows oneDNN's ran 1.1-1.2x MKL's (`F.linear`), whose AMD path is slower
-    (docs/performance.md, "a thirty-sixth session")."""
-    if x.dtype == torch.float32 and weight.is_contiguous() and torch.backends.mkldnn.is_available():
+    """A layer's product above its `max_rows`: `F.linear` where MKL is fast (`mkl_is_fast`), else oneDNN's over the
+    plain float32 weight (reordered at each call; on a Zen 3 at 512 rows 1.1-1.2x MKL's, whose AMD path is slower,
+    docs/performance.md, "a thirty-sixth session"), and `F.linear` for other dtypes."""
+    if (x.dtype == torch.float32 and weight.is_contiguous() and torch.backends.mkldnn.is_available()
+            and not mkl_is_fast()):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -164,28 +166,6 @@ def bf16_panels() -> bool:
     pairs with AVX512-BF16 (`pair_panels`) and the CPU has no AMX (whose tiles oneDNN's bfloat16 product uses,
     unmeasured against the pairs). The head takes them only in the first case (`_head_kind`)."""
     return panel_gemm() is not None and (not cpu_has_bf16() or (pair_panels() and not cpu_has_amx()))
-
-
-@functools.cache
-def cpu_has_avx512() -> bool:
-    """Whether ATen (and so oneDNN) runs AVX-512 code on this CPU: there oneDNN's float32 product over a prepacked
-    weight runs at about twice the panel kernel's AVX2 rate at every row count, and MKL's `F.linear` well below
-    both on AMD CPUs (docs/performance.md, "a sixteenth session")."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-@functools.cache
-def cpu_has_amx() -> bool:
-    """Whether the CPU has AMX tiles (oneDNN's bfloat16 products use them)."""
-    is_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_supported()) if is_supported is not None else False
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether oneDNN has bfloat16 arithmetic on this CPU (AVX512-BF16, AMX), where torch's bfloat16 products are
-    fast."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -356,11 +336,13 @@ def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
     """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`
     (in k pairs where `pair_panels()`), else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`):
     every row count, in panels where the panel kernel has its AVX-512 tiles (`wide_panels`) and the weight has
-    fewer than `PANEL_MAX_WEIGHT` elements, else through oneDNN; elsewhere in panels up to `LAYER_MAX_ROWS` rows."""
+    fewer than `PANEL_MAX_WEIGHT` elements (only up to `LAYER_MAX_ROWS` rows where `mkl_is_fast`), else through
+    oneDNN; elsewhere in panels up to `LAYER_MAX_ROWS` rows."""
     if linear.weight.dtype == torch.bfloat16:
         return (0, bf16_panels())
     if cpu_has_avx512():
-        return (0, wide_panels() and linear.weight.numel() < PANEL_MAX_WEIGHT)
+        panels = wide_panels() and linear.weight.numel() < PANEL_MAX_WEIGHT
+        return (LAYER_MAX_ROWS if panels and mkl_is_fast() else 0, panels)
     return (LAYER_MAX_ROWS, True)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.engine import cpu_kernels, packed_weights
+from contbatch.engine import cpu_features, cpu_kernels, packed_weights
 from contbatch.engine.attention import METADATA_KWARG
 from contbatch.engine.attention_types import KVShapeProbe
 from contbatch.engine.packed_weights import (
@@ -64,15 +65,19 @@ def test_which_linears_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not packing_applies(_linear())
 
 
-def test_rows_above_the_limit_take_onednn_over_the_plain_weight() -> None:
-    """Over `max_rows` a float32 product is oneDNN's over the weight as it is (no packed copy read), bit for bit;
-    a weight that is not contiguous, or a bfloat16 one, takes `F.linear`."""
+@pytest.mark.parametrize("mkl_fast", [False, True])
+def test_rows_above_the_limit_take_the_plain_weight(mkl_fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over `max_rows` a float32 product is over the weight as it is (no packed copy read), bit for bit: MKL's
+    `F.linear` where it is fast (`mkl_is_fast`), else oneDNN's; a weight that is not contiguous, or a bfloat16 one,
+    takes `F.linear`."""
+    monkeypatch.setattr(packed_weights, "mkl_is_fast", lambda: mkl_fast)
     linear = _linear(True)
     packed = PackedLinear.for_linear(linear, max_rows=4, panels=True)
     packed.refresh()
     x = torch.randn(1, 9, 32)
     with torch.no_grad():
-        expected = torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
+        expected = (torch.nn.functional.linear(x, linear.weight, linear.bias) if mkl_fast else
+                    torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], ""))
         assert torch.equal(packed(x), expected)
         strided = nn.Parameter(torch.randn(32, 16).t())
         assert torch.equal(packed_weights._unpacked_product(x, strided, None), torch.nn.functional.linear(x, strided))
@@ -167,8 +172,9 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
     prompts = random_prompts([9, 17, 4], seed=3)
     config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
     outputs = generate_batch(model, prompts, config, ContinuousBatchingConfig(block_size=8), progress_bar=False)
-    layer_kind = ((0, packed_weights.wide_panels()) if packed_weights.cpu_has_avx512()
-                  else (packed_weights.LAYER_MAX_ROWS, True))
+    wide = packed_weights.wide_panels()
+    layer_kind = ((packed_weights.LAYER_MAX_ROWS if wide and packed_weights.mkl_is_fast() else 0, wide)
+                  if packed_weights.cpu_has_avx512() else (packed_weights.LAYER_MAX_ROWS, True))
     assert seen and all(isinstance(head, PackedLinear) and head.weight is own.weight and head.max_rows == 0
                         and not head.panels and isinstance(q, PackedLinear) and q.weight is own_q.weight
                         and (q.max_rows, q.panels) == layer_kind for head, q in seen)
@@ -179,19 +185,24 @@ def test_only_contbatch_forwards_see_them(kind: str) -> None:
         assert outputs[f"req_{index}"].generated_tokens == reference_generate(model, prompt, 5)
 
 
+@pytest.mark.parametrize("intel", [False, True])
 @pytest.mark.parametrize(("avx512", "wide"), [(False, False), (False, True), (True, False), (True, True)])
-def test_float32_layer_kinds_follow_the_isa(avx512: bool, wide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where ATen runs AVX-512, MKL trails oneDNN's prepacked product at every row count: the layers take the panel
-    kernel's AVX-512 tiles (`wide_panels`) at every row count, or oneDNN's product where the kernel lacks them.
-    Without AVX-512, the panel kernel up to `LAYER_MAX_ROWS` rows. The head takes oneDNN either way."""
+def test_float32_layer_kinds_follow_the_isa(avx512: bool, wide: bool, intel: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ATen runs AVX-512, the layers take the panel kernel's AVX-512 tiles (`wide_panels`), at every row count
+    where MKL trails oneDNN (AMD), up to `LAYER_MAX_ROWS` rows where MKL is fast (Intel: `mkl_is_fast`), or
+    oneDNN's product where the kernel lacks them. Without AVX-512, the panel kernel up to `LAYER_MAX_ROWS` rows.
+    The head takes oneDNN either way."""
     monkeypatch.setattr(packed_weights, "cpu_has_avx512", lambda: avx512)
     monkeypatch.setattr(packed_weights, "wide_panels", lambda: wide)
+    monkeypatch.setattr(packed_weights, "mkl_is_fast", lambda: intel)
     model = fresh_tiny_model("llama")
     with packed_forward(model):
         plan = model.__dict__[PLAN_ATTRIBUTE]
         kinds = {(swap.max_rows, swap.panels) for *_, swap in plan.swaps}
         assert plan.packed_head is not None and (plan.packed_head.max_rows, plan.packed_head.panels) == (0, False)
-    assert kinds == ({(0, wide)} if avx512 else {(packed_weights.LAYER_MAX_ROWS, True)})
+    max_rows = packed_weights.LAYER_MAX_ROWS if wide and intel else 0
+    assert kinds == ({(max_rows, wide)} if avx512 else {(packed_weights.LAYER_MAX_ROWS, True)})
     assert len(plan.swaps) == 7 * len(model.model.layers)
 
 
@@ -202,6 +213,7 @@ def test_large_float32_weights_take_onednn_where_avx512_runs(monkeypatch: pytest
     monkeypatch.setattr(packed_weights, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(packed_weights, "wide_panels", lambda: True)
     monkeypatch.setattr(packed_weights, "PANEL_MAX_WEIGHT", 128 * 64)
+    monkeypatch.setattr(packed_weights, "mkl_is_fast", lambda: False)
     model = fresh_tiny_model("llama")
     with packed_forward(model):
         plan = model.__dict__[PLAN_ATTRIBUTE]
@@ -268,3 +280,14 @@ def test_the_swap_plan_does_not_keep_the_model_alive() -> None:
     del model
     gc.collect()
     assert gone() is None
+
+
+def test_cpu_vendor_reads_the_vendor_line(tmp_path: Path) -> None:
+    """`cpu_vendor` names x86's `vendor_id` (what `mkl_is_fast` asks), and nothing where the file has no such line
+    or is missing."""
+    intel, arm = tmp_path / "intel", tmp_path / "arm"
+    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2\n")
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert cpu_features.cpu_vendor(str(intel)) == "GenuineIntel"
+    assert cpu_features.cpu_vendor(str(arm)) == ""
+    assert cpu_features.cpu_vendor(str(tmp_path / "missing")) == ""
