@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from contbatch.engine.cpu_features import cpu_has_amx, mkl_is_fast
 from contbatch.engine.kernel_tuning import tune
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,8 @@ def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 def describe_build() -> str:
     """The kernels' build on this machine in one line, for a benchmark's notes: its `-march` target, the
-    instruction sets of the panel product and the head screen, and the prefetch levels chosen here. Loads a build
+    instruction sets of the panel product (and where the products leave it: `packed_weights`), the head screen's,
+    and the prefetch levels chosen here. Loads a build
     that exists on disk; never starts one (a process that has not loaded the kernels says so)."""
     name = extension_name()
     built = kernel_module.cache_info().currsize > 0 or (build_directory(name) / f"{name}.so").exists()
@@ -244,7 +246,11 @@ def describe_build() -> str:
         state = "off (CONTBATCH_CPU_KERNELS=0)" if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0" else "not built"
         return f"contbatch's CPU kernels: {state}"
     panels = ("none" if panel_gemm() is None else
-              ("AVX-512" if wide_panels() else "AVX2") + (", bfloat16 in pairs (AVX512-BF16)" if pair_panels() else ""))
+              ("AVX-512" if wide_panels() else "AVX2") + (", float32 MKL's above LAYER_MAX_ROWS rows" if wide_panels()
+                                                         and mkl_is_fast() else "")
+              + (", bfloat16 in pairs (AVX512-BF16)" if pair_panels() and not cpu_has_amx() else ""))
+    if cpu_has_amx():
+        panels += "; bfloat16 products oneDNN's (AMX)"
     levels = f"attention L{module.attention_prefetch()}" + (
         f", panels L{module.panel_prefetch()}" if module.has_panel_gemm() else "")
     screen = ("8-bit codes (VNNI)" if module.has_vnni() else

@@ -13,7 +13,7 @@ from contbatch.bench import machine
 from contbatch.bench.machine import CpuInfo, describe_machine
 from contbatch.cli import main
 from contbatch.data.embedded import embedded_model_dir
-from contbatch.engine import cpu_kernels
+from contbatch.engine import cpu_features, cpu_kernels
 
 _X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -71,6 +71,8 @@ def test_the_kernels_line_reads_the_build_and_never_starts_one(monkeypatch: pyte
     assert f"-march={cpu_kernels.target_arch()}; " in line
     assert f"prefetch attention L{module.attention_prefetch()}" in line
     assert ("panel product AVX-512" in line) == cpu_kernels.wide_panels()
+    assert ("bfloat16 products oneDNN's (AMX)" in line) == cpu_features.cpu_has_amx()
+    assert ("MKL's above" in line) == (cpu_kernels.wide_panels() and cpu_features.mkl_is_fast())
 
     @functools.cache
     def never_loaded() -> None:
