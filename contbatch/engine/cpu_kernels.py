@@ -237,8 +237,8 @@ def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
 def describe_build() -> str:
     """The kernels' build on this machine in one line, for a benchmark's notes: its `-march` target, the
     instruction sets of the panel product (and where the products leave it: `packed_weights`), the head screen's,
-    and the prefetch levels chosen here. Loads a build
-    that exists on disk; never starts one (a process that has not loaded the kernels says so)."""
+    and the prefetch levels chosen here. Loads a build that exists on disk; never starts one (a process that has
+    not loaded the kernels says so)."""
     name = extension_name()
     built = kernel_module.cache_info().currsize > 0 or (build_directory(name) / f"{name}.so").exists()
     module = kernel_module() if built else None
