@@ -8,15 +8,20 @@ import functools
 import torch
 
 
+def cpuinfo_line(names: tuple[str, ...], cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first line of `cpuinfo` whose key ("key : value") is one of `names`, as it stands; "" where the file has
+    none or is missing (macOS)."""
+    try:
+        with open(cpuinfo) as lines:
+            return next((line for line in lines if line.split(":")[0].strip() in names), "")
+    except OSError:
+        return ""
+
+
 @functools.cache
 def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     """x86's `vendor_id` in `cpuinfo` ("GenuineIntel", "AuthenticAMD"); "" where it names none (Arm, macOS)."""
-    try:
-        with open(cpuinfo) as lines:
-            return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == "vendor_id"),
-                        "")
-    except OSError:
-        return ""
+    return cpuinfo_line(("vendor_id",), cpuinfo).partition(":")[2].strip()
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from contbatch.engine.cpu_features import cpu_has_amx, mkl_is_fast
+from contbatch.engine.cpu_features import cpu_has_amx, cpuinfo_line, mkl_is_fast
 from contbatch.engine.kernel_tuning import tune
 
 logger = logging.getLogger(__name__)
@@ -227,11 +227,7 @@ def _openmp_flags() -> list[str]:
 def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The line of `cpuinfo` that lists the CPU's instruction-set extensions, "name : ext ext ...": `flags` on x86,
     `Features` on Arm; "" where the file has none or is missing (macOS)."""
-    try:
-        with open(cpuinfo) as lines:
-            return next((line for line in lines if line.split(":")[0].strip() in ("flags", "Features")), "")
-    except OSError:
-        return ""
+    return cpuinfo_line(("flags", "Features"), cpuinfo)
 
 
 def describe_build() -> str:
