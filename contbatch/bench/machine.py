@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from contbatch.engine.cpu_kernels import describe_build
+from contbatch.engine.malloc_tuning import describe_malloc
 
 ISA_FLAGS = {
     "x86_64": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
@@ -59,7 +60,8 @@ class CpuInfo:
 def describe_machine(cpu: CpuInfo | None = None) -> list[str]:
     """The machine lines of a benchmark's output: the CPU with its architecture, family and model, cores and torch
     threads; which of `ISA_FLAGS` it has and lacks, and ATen's vector ISA; torch's, transformers' and contbatch's
-    versions; the GPU where torch sees one; and contbatch's CPU kernels (`describe_build`)."""
+    versions; the GPU where torch sees one; contbatch's CPU kernels (`describe_build`) and its malloc
+    (`describe_malloc`)."""
     cpu = cpu or CpuInfo.read()
     machine = platform.machine()
     where = ", ".join([machine] + [f"{key} {value}" for key, value in (("cpu family", cpu.family),
@@ -78,6 +80,7 @@ def describe_machine(cpu: CpuInfo | None = None) -> list[str]:
         lines.append(f"GPU: {torch.cuda.get_device_name(index)} (compute capability "
                      f"{'.'.join(map(str, torch.cuda.get_device_capability(index)))}), CUDA {torch.version.cuda}")
     lines.append(describe_build())
+    lines.append(describe_malloc())
     return lines
 
 

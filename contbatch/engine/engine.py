@@ -25,6 +25,7 @@ from contbatch.engine.kv_cache import (
 )
 from contbatch.engine.kv_cache_manager import KVCacheManager
 from contbatch.engine.kv_probe import cache_layout, probe_layers
+from contbatch.engine.malloc_tuning import tune_malloc
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.model_support import chunked_attention_limit, input_vocab_size
 from contbatch.engine.outputs import EngineStats, RequestDelta
@@ -72,6 +73,8 @@ class LLMEngine:
         self.generation_config = resolve_generation_config(generation_config, model.generation_config)
         check_supported(self.generation_config)
         device = next(model.parameters()).device
+        if device.type == "cpu":
+            tune_malloc()
         vocab_size = input_vocab_size(model)
         probe = probe_layers(model)
         spec, groups, repeats = cache_layout(model, next(model.parameters()).dtype, probe)

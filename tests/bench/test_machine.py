@@ -13,7 +13,8 @@ from contbatch.bench import machine
 from contbatch.bench.machine import CpuInfo, describe_machine
 from contbatch.cli import main
 from contbatch.data.embedded import embedded_model_dir
-from contbatch.engine import cpu_features, cpu_kernels
+from contbatch.engine import cpu_features, cpu_kernels, malloc_tuning
+from contbatch.engine.malloc_tuning import describe_malloc
 
 _X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -56,7 +57,7 @@ def test_the_lines_name_the_flags_the_cpu_has_and_lacks(tmp_path: Path, monkeypa
     assert lines[1].startswith("CPU flags: has avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni; "
                                "lacks avx_vnni amx_tile amx_bf16 amx_int8; ATen's vector ISA ")
     assert lines[2].startswith(f"software: torch {torch.__version__}, transformers ")
-    assert lines[-1] == cpu_kernels.describe_build()
+    assert lines[-2:] == [cpu_kernels.describe_build(), describe_malloc()]
     monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
     lines = describe_machine(CpuInfo.read(str(arm)))
     assert lines[0].startswith("machine: CPU implementer 0x41 CPU part 0xd40 (aarch64); ")
@@ -97,4 +98,14 @@ def test_contbatch_bench_writes_the_machine_under_its_table(tmp_path: Path) -> N
                  "--max-new-tokens", "4", "--no-warm-pass", "--output", str(table)]) == 0
     text = table.read_text()
     assert text.index("| contbatch |") < text.index("\nmachine: ") < text.index("\nsoftware: torch ")
-    assert text.rstrip().endswith(cpu_kernels.describe_build())
+    assert text.rstrip().endswith(f"{cpu_kernels.describe_build()}\n{describe_malloc()}")
+
+
+def test_the_malloc_line_says_whether_engines_tune_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(malloc_tuning.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    assert describe_malloc().startswith("malloc: glibc's, tuned by contbatch (mmap threshold 32 MiB")
+    monkeypatch.setenv("CONTBATCH_MALLOC_TUNING", "0")
+    assert describe_malloc() == "malloc: the C library's defaults (CONTBATCH_MALLOC_TUNING=0)"
+    monkeypatch.delenv("CONTBATCH_MALLOC_TUNING")
+    monkeypatch.setattr(malloc_tuning.platform, "libc_ver", lambda: ("", ""))
+    assert describe_malloc() == "malloc: the C library's defaults (not glibc)"
