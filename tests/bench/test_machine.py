@@ -103,9 +103,12 @@ def test_contbatch_bench_writes_the_machine_under_its_table(tmp_path: Path) -> N
 
 def test_the_malloc_line_says_whether_engines_tune_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(malloc_tuning.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert describe_malloc().startswith("malloc: glibc's, tuned by contbatch (mmap threshold 32 MiB")
     monkeypatch.setenv("CONTBATCH_MALLOC_TUNING", "0")
     assert describe_malloc() == "malloc: the C library's defaults (CONTBATCH_MALLOC_TUNING=0)"
     monkeypatch.delenv("CONTBATCH_MALLOC_TUNING")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/venv/lib/libiomp5.so:/usr/lib/libtcmalloc_minimal.so.4")
+    assert describe_malloc() == "malloc: libtcmalloc_minimal.so.4 (LD_PRELOAD), which glibc's settings do not reach"
     monkeypatch.setattr(malloc_tuning.platform, "libc_ver", lambda: ("", ""))
     assert describe_malloc() == "malloc: the C library's defaults (not glibc)"
