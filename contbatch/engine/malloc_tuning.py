@@ -39,12 +39,19 @@ _ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 """Allocators a process may preload in glibc malloc's place."""
 
 
+def _untuned_because() -> str | None:
+    """Why `tune_malloc` leaves malloc alone in this process ("CONTBATCH_MALLOC_TUNING=0", "not glibc"), or None."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    return None if platform.libc_ver()[0] == "glibc" else "not glibc"
+
+
 @functools.cache
 def tune_malloc() -> bool:
     """Sets glibc malloc's `SETTINGS` for this process, once; later calls return the first call's result. True
     where every setting was accepted; False where `CONTBATCH_MALLOC_TUNING=0`, the C library is not glibc, or
     `mallopt` refused one (logged)."""
-    if os.environ.get(ENV, "1") == "0" or platform.libc_ver()[0] != "glibc":
+    if _untuned_because() is not None:
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
@@ -58,10 +65,9 @@ def tune_malloc() -> bool:
 def describe_malloc() -> str:
     """One line for a benchmark's notes: whether a CPU engine in this process tunes malloc (`tune_malloc`), and to
     what, or which allocator `LD_PRELOAD` put in glibc's place."""
-    if os.environ.get(ENV, "1") == "0":
-        return f"malloc: the C library's defaults ({ENV}=0)"
-    if platform.libc_ver()[0] != "glibc":
-        return "malloc: the C library's defaults (not glibc)"
+    reason = _untuned_because()
+    if reason is not None:
+        return f"malloc: the C library's defaults ({reason})"
     preloaded = [Path(entry).name for entry in os.environ.get("LD_PRELOAD", "").split(":")
                  if any(name in Path(entry).name for name in _ALLOCATORS)]
     if preloaded:

@@ -14,7 +14,9 @@ import pytest
 from contbatch.engine import engine as engine_module
 from tests.helpers import make_engine, tiny_model
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+_LIBC, _VERSION = platform.libc_ver()
+pytestmark = pytest.mark.skipif(_LIBC != "glibc" or tuple(map(int, _VERSION.split(".")[:2])) < (2, 33),
+                                reason="mallopt is glibc's, mallinfo2 glibc 2.33's")
 
 _PROBE = """
 import ctypes, json
