@@ -130,6 +130,39 @@ def test_kernel_attends_a_ragged_batch(kv_heads: int, group: int, dim: int, dtyp
         kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, 1, row_requests + 2 * (row_requests > 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_output_does_not_depend_on_the_threads(dtype: torch.dtype) -> None:
+    """A step mixing decode rows with a prefill chunk's rows is cut into chunks by cost and the threads take them in
+    turn: the outputs are bitwise the same whatever the number of threads, and each row's equals that row alone."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(7)
+    keys = torch.randn(3, 80 * BLOCK, 64, generator=generator).to(dtype)
+    values = torch.randn(3, 80 * BLOCK, 64, generator=generator).to(dtype)
+    slots = (torch.randperm(80, generator=generator)[:60].view(5, 12, 1) * BLOCK + torch.arange(BLOCK)).view(5, -1)
+    chunk = torch.arange(120, 180)
+    row_requests = torch.cat([torch.tensor([0, 1, 2, 3]), torch.full((len(chunk),), 4)])
+    lengths = torch.cat([torch.tensor([190, 3, 77, 150]), chunk + 1])
+    first = torch.zeros_like(lengths)
+    query = torch.randn(len(lengths), 9, 64, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(kernel(query, keys, values, slots.contiguous(), lengths, first, 0.125, 0.0, 1,
+                                  row_requests))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    alone = [kernel(query[r:r + 1], keys, values, slots[int(row_requests[r])][None].contiguous(), lengths[r:r + 1],
+                    first[r:r + 1], 0.125, 0.0, 1) for r in (0, 3, 4, len(lengths) - 1)]
+    assert torch.equal(outputs[0][[0, 3, 4, len(lengths) - 1]], torch.cat(alone))
+    expected = reference(query, keys, values, slots[row_requests], lengths, first, 0.125, 0.0)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(outputs[0].double(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_kernel_refuses_slots_for_another_number_of_rows() -> None:
     kernel = paged_decode_kernel()
     assert kernel is not None

@@ -5,8 +5,8 @@
 // either way, and a bfloat16 query's output is rounded to bfloat16 once, at the end.
 //
 // The kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
-// (query row, kv head), the query heads of a GQA group sharing every key and value row they read; the threads take
-// contiguous ranges of tasks of about equal work.
+// (query row, kv head), the query heads of a GQA group sharing every key and value row they read; the tasks are cut
+// into contiguous chunks of about equal work, several a thread, which the threads take in turn (`balanced_chunks`).
 //
 // With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes. The
 // first computes every score, 8 positions at a time: with AVX-512, each key row is loaded once for up to 3 query
@@ -253,62 +253,78 @@ static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float
 }
 #endif
 
-// The bounds of `parts` contiguous ranges of [0, batch * kv_heads) tasks with about equal work each, a task's work
-// being the positions its row reads plus a constant: rows of one prefill grow in length, and an even split by count
-// would give the last thread most of the work.
-static std::vector<int64_t> balanced_parts(const int64_t* length, const int64_t* start, int64_t batch,
-                                           int64_t kv_heads, int64_t parts) {
-  constexpr int64_t kTaskCost = 16;
+// A task reading at most this many bytes of keys and values right after this thread's task of its request's previous
+// row finds them in cache (L2 is 1-2 MB a core on current x86 servers) and prefetches nothing (`prefetch_row`).
+constexpr int64_t kWarmBytes = 1 << 20;
+
+// The bounds of `chunks` contiguous ranges of [0, batch * kv_heads) tasks with about equal work each. A row's work is
+// the positions it reads plus a constant, kColdWeight times the positions for a row whose keys and values come from
+// memory (a decode row; a chunk's first row), not from the cache its request's previous row left them in: a step
+// mixing decode rows with a prefill chunk's would otherwise leave the threads with the decode rows behind.
+static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t* start, const int64_t* request,
+                                            int64_t batch, int64_t kv_heads, int64_t bytes_per_position,
+                                            int64_t chunks) {
+  constexpr int64_t kTaskCost = 16, kColdWeight = 4;
   std::vector<int64_t> cost(batch + 1, 0);
-  for (int64_t b = 0; b < batch; ++b) cost[b + 1] = cost[b] + length[b] - start[b] + kTaskCost;
-  std::vector<int64_t> bounds(parts + 1, batch * kv_heads);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t positions = length[b] - start[b];
+    const bool warm = b > 0 && request[b - 1] == request[b] && positions * bytes_per_position <= kWarmBytes;
+    cost[b + 1] = cost[b] + positions * (warm ? 1 : kColdWeight) + kTaskCost;
+  }
+  std::vector<int64_t> bounds(chunks + 1, batch * kv_heads);
   bounds[0] = 0;
-  for (int64_t p = 1, b = 0; p < parts; ++p) {
-    while (b < batch && cost[b + 1] * parts <= cost[batch] * p) ++b;
+  for (int64_t p = 1, b = 0; p < chunks; ++p) {
+    while (b < batch && cost[b + 1] * chunks <= cost[batch] * p) ++b;
     bounds[p] = b * kv_heads;
   }
   return bounds;
 }
 
-// A task reading at most this many bytes of keys and values right after this thread's task of its request's previous
-// row finds them in cache (L2 is 1-2 MB a core on current x86 servers) and prefetches nothing (`prefetch_row`).
-constexpr int64_t kWarmBytes = 1 << 20;
+// Work is cut into this many chunks a thread, taken in turn by whichever thread is free: the cost model above is a
+// guess, and rows from memory run at the memory's pace, rows from cache at the core's.
+constexpr int64_t kChunksPerThread = 8;
 
 template <int Loc, typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request,
                          const int64_t* row_requests, float scale, float softcap, const float* sinks) {
-  const int64_t group = heads / kv_heads, parts = std::max<int64_t>(1, at::get_num_threads());
-  const std::vector<int64_t> bounds = balanced_parts(length, start, batch, kv_heads, parts);
-  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+  const int64_t group = heads / kv_heads, threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<int64_t> request(batch);
+  for (int64_t b = 0; b < batch; ++b) request[b] = row_requests ? row_requests[b] : b / queries_per_request;
+  const int64_t chunks = std::min(batch, threads * kChunksPerThread);
+  const std::vector<int64_t> bounds = balanced_chunks(length, start, request.data(), batch, kv_heads,
+                                                      dim * static_cast<int64_t>(2 * sizeof(T)), chunks);
+  std::atomic<int64_t> next_chunk{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch_a, scratch_b;
     const auto make = [&](int64_t task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                     slot + (row_requests ? row_requests[b] : b / queries_per_request) * max_len, start[b],
-                     length[b], group, dim, scale, softcap,
+                     slot + request[b] * max_len, start[b], length[b], group, dim, scale, softcap,
                      out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr};
     };
-    const int64_t begin = bounds[part_begin], end = bounds[part_end];
-    for (int64_t task = begin; task < end; ++task) {
-      const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
-      const Task<T>* next = task + 1 < end ? &following : nullptr;
-      const bool warm = task - kv_heads >= begin && make(task - kv_heads).slots == t.slots &&
-                        (t.length - t.first) * dim * static_cast<int64_t>(2 * sizeof(T)) <= kWarmBytes;
+    for (int64_t chunk = next_chunk++; chunk < chunks; chunk = next_chunk++) {
+      const int64_t begin = bounds[chunk], end = bounds[chunk + 1];
+      for (int64_t task = begin; task < end; ++task) {
+        const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
+        const Task<T>* next = task + 1 < end ? &following : nullptr;
+        const bool warm = task - kv_heads >= begin && make(task - kv_heads).slots == t.slots &&
+                          (t.length - t.first) * dim * static_cast<int64_t>(2 * sizeof(T)) <= kWarmBytes;
 #ifdef CONTBATCH_AVX512
-      if (dim % 16 == 0) {
-        warm ? attend_simd<Lanes16, 0>(t, next, scratch_a) : attend_simd<Lanes16, Loc>(t, next, scratch_a);
-        continue;
-      }
+        if (dim % 16 == 0) {
+          warm ? attend_simd<Lanes16, 0>(t, next, scratch_a) : attend_simd<Lanes16, Loc>(t, next, scratch_a);
+          continue;
+        }
 #endif
 #ifdef CONTBATCH_AVX2
-      if (dim % 8 == 0) {
-        warm ? attend_simd<Lanes8, 0>(t, next, scratch_a) : attend_simd<Lanes8, Loc>(t, next, scratch_a);
-        continue;
-      }
+        if (dim % 8 == 0) {
+          warm ? attend_simd<Lanes8, 0>(t, next, scratch_a) : attend_simd<Lanes8, Loc>(t, next, scratch_a);
+          continue;
+        }
 #endif
-      attend_scalar<Loc>(t, scratch_a, scratch_b);
+        attend_scalar<Loc>(t, scratch_a, scratch_b);
+      }
     }
   });
 }
