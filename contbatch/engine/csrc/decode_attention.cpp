@@ -27,6 +27,7 @@
 
 #include "attention_task.h"
 #include "simd.h"
+#include "softmax.h"
 
 static std::atomic<int64_t> prefetch_level{1};
 
@@ -177,20 +178,10 @@ template <typename T>
 static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
   for (int64_t g = 0; g < t.group; ++g) {
     float* s = scores + g * stride;
-    __m256 high = _mm256_set1_ps(-INFINITY);
-    for (int64_t c = 0; c < stride; c += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(s + c));
-    const float highest = t.sinks ? std::max(hmax(high), t.sinks[g]) : hmax(high);
-    const __m256 top = _mm256_set1_ps(highest), none = _mm256_set1_ps(-INFINITY);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t c = 0; c < stride; c += 8) {
-      const __m256 x = _mm256_loadu_ps(s + c);
-      const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, top)), _mm256_cmp_ps(x, none, _CMP_NEQ_OQ));
-      _mm256_storeu_ps(s + c, p);
-      sum = _mm256_add_ps(sum, p);
-    }
+    const float highest = t.sinks ? std::max(max_of(s, stride), t.sinks[g]) : max_of(s, stride);
+    const float total = exp_in_place(s, stride, highest);
     const float sink = t.sinks ? std::exp(t.sinks[g] - highest) : 0.f;
-    const __m256 inv = _mm256_set1_ps(1.f / (hsum(sum) + sink));
-    for (int64_t c = 0; c < stride; c += 8) _mm256_storeu_ps(s + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), inv));
+    scale_in_place(s, stride, 1.f / (total + sink));
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
 }
