@@ -248,20 +248,32 @@ static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float
 // row finds them in cache (L2 is 1-2 MB a core on current x86 servers) and prefetches nothing (`prefetch_row`).
 constexpr int64_t kWarmBytes = 1 << 20;
 
-// The bounds of `chunks` contiguous ranges of [0, batch * kv_heads) tasks with about equal work each. A row's work is
-// the positions it reads plus a constant, kColdWeight times the positions for a row whose keys and values come from
-// memory (a decode row; a chunk's first row), not from the cache its request's previous row left them in: a step
-// mixing decode rows with a prefill chunk's would otherwise leave the threads with the decode rows behind.
+// Work is cut into this many chunks a thread where a step mixes rows reading from cache with rows reading from
+// memory, taken in turn by whichever thread is free: the cost model below is a guess, and rows from memory run at
+// the memory's pace, rows from cache at the core's. Elsewhere one chunk a thread: a chunk's first task cannot
+// prefetch while the previous chunk runs, which cost a decode step of 128 short rows 4-10%.
+constexpr int64_t kChunksPerThread = 8;
+
+// The bounds of contiguous ranges of [0, batch * kv_heads) tasks with about equal work each: one a thread, or
+// kChunksPerThread a thread in a mixed step (rows alone of their request, decode rows, beside rows reading from
+// cache). A row's work is the positions it reads plus a constant, kColdWeight times the positions for a row whose
+// keys and values come from memory (a decode row; a prefill chunk's first row), not from the cache its request's
+// previous row left them in: a mixed step would otherwise leave the threads with the decode rows behind.
 static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t* start, const int64_t* request,
                                             int64_t batch, int64_t kv_heads, int64_t bytes_per_position,
-                                            int64_t chunks) {
+                                            int64_t threads) {
   constexpr int64_t kTaskCost = 16, kColdWeight = 4;
   std::vector<int64_t> cost(batch + 1, 0);
+  int64_t warm_rows = 0, lone_rows = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t positions = length[b] - start[b];
     const bool warm = b > 0 && request[b - 1] == request[b] && positions * bytes_per_position <= kWarmBytes;
+    warm_rows += warm;
+    lone_rows += !warm && (b + 1 == batch || request[b + 1] != request[b]);
     cost[b + 1] = cost[b] + positions * (warm ? 1 : kColdWeight) + kTaskCost;
   }
+  const bool mixed = warm_rows > 0 && lone_rows > 0;
+  const int64_t chunks = std::max<int64_t>(1, std::min(batch, mixed ? threads * kChunksPerThread : threads));
   std::vector<int64_t> bounds(chunks + 1, batch * kv_heads);
   bounds[0] = 0;
   for (int64_t p = 1, b = 0; p < chunks; ++p) {
@@ -271,10 +283,6 @@ static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t
   return bounds;
 }
 
-// Work is cut into this many chunks a thread, taken in turn by whichever thread is free: the cost model above is a
-// guess, and rows from memory run at the memory's pace, rows from cache at the core's.
-constexpr int64_t kChunksPerThread = 8;
-
 template <int Loc, typename T>
 static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
                          const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
@@ -283,9 +291,9 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
   const int64_t group = heads / kv_heads, threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<int64_t> request(batch);
   for (int64_t b = 0; b < batch; ++b) request[b] = row_requests ? row_requests[b] : b / queries_per_request;
-  const int64_t chunks = std::min(batch, threads * kChunksPerThread);
   const std::vector<int64_t> bounds = balanced_chunks(length, start, request.data(), batch, kv_heads,
-                                                      dim * static_cast<int64_t>(2 * sizeof(T)), chunks);
+                                                      dim * static_cast<int64_t>(2 * sizeof(T)), threads);
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch_a, scratch_b;

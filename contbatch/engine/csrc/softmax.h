@@ -54,7 +54,8 @@ static inline float exp_in_place(float* s, int64_t stride, float top) {
 static inline void scale_in_place(float* s, int64_t stride, float factor) {
   int64_t c = 0;
 #ifdef CONTBATCH_AVX512
-  for (; c + 16 <= stride; c += 16) _mm512_storeu_ps(s + c, _mm512_mul_ps(_mm512_loadu_ps(s + c), _mm512_set1_ps(factor)));
+  const __m512 factor16 = _mm512_set1_ps(factor);
+  for (; c + 16 <= stride; c += 16) _mm512_storeu_ps(s + c, _mm512_mul_ps(_mm512_loadu_ps(s + c), factor16));
 #endif
   for (; c < stride; c += 8) _mm256_storeu_ps(s + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(factor)));
 }
