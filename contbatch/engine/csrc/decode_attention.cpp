@@ -6,7 +6,8 @@
 //
 // The kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
 // (query row, kv head), the query heads of a GQA group sharing every key and value row they read; the tasks are cut
-// into contiguous chunks of about equal work, several a thread, which the threads take in turn (`balanced_chunks`).
+// into contiguous ranges of about equal work, one a thread, or several a thread, taken in turn by whichever thread
+// is free, in a step mixing decode rows with a prefill chunk's (`balanced_chunks`).
 //
 // With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes. The
 // first computes every score, 8 positions at a time: with AVX-512, each key row is loaded once for up to 3 query
