@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
@@ -17,6 +18,15 @@ CPU = torch.device("cpu")
 def resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def release_free_heap() -> None:
+    """Gives the heap's free pages back to the kernel (glibc's `malloc_trim`; elsewhere nothing). A CPU engine tunes
+    malloc to keep freed memory (`malloc_tuning`), so a large block an earlier test freed in this process would
+    otherwise serve the next allocation with its pages resident already."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def test_commit_sets_one_element_a_page_of_the_given_blocks_and_nothing_else() -> None:
@@ -37,6 +47,7 @@ def test_commit_sets_one_element_a_page_of_the_given_blocks_and_nothing_else() -
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size (Linux)")
 def test_commit_makes_the_blocks_memory_resident() -> None:
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    release_free_heap()
     cache = PagedKVCache(spec, num_blocks=4096, block_size=16, device=CPU)
     committed = 1024 * spec.bytes_per_block(16, 4)
     before = resident_bytes()
