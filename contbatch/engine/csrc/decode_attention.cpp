@@ -249,17 +249,22 @@ static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float
 // row finds them in cache (L2 is 1-2 MB a core on current x86 servers) and prefetches nothing (`prefetch_row`).
 constexpr int64_t kWarmBytes = 1 << 20;
 
-// Work is cut into this many chunks a thread where a step mixes rows reading from cache with rows reading from
-// memory, taken in turn by whichever thread is free: the cost model below is a guess, and rows from memory run at
-// the memory's pace, rows from cache at the core's. Elsewhere one chunk a thread: a chunk's first task cannot
-// prefetch while the previous chunk runs, which cost a decode step of 128 short rows 4-10%.
+// Whether row b follows a row of its own request and reads few enough bytes to find them in cache (`kWarmBytes`).
+static inline bool follows_its_request(const int64_t* request, const int64_t* length, const int64_t* start,
+                                       int64_t b, int64_t bytes_per_position) {
+  return b > 0 && request[b - 1] == request[b] && (length[b] - start[b]) * bytes_per_position <= kWarmBytes;
+}
+
+// Chunks a thread in a step mixing rows from cache with rows from memory, taken by whichever thread is free (the
+// cost model below is a guess). Elsewhere one a thread: a chunk's first task cannot prefetch while the previous
+// chunk runs, which cost a decode step of 128 short rows 4-10%.
 constexpr int64_t kChunksPerThread = 8;
 
 // The bounds of contiguous ranges of [0, batch * kv_heads) tasks with about equal work each: one a thread, or
 // kChunksPerThread a thread in a mixed step (rows alone of their request, decode rows, beside rows reading from
 // cache). A row's work is the positions it reads plus a constant, kColdWeight times the positions for a row whose
 // keys and values come from memory (a decode row; a prefill chunk's first row), not from the cache its request's
-// previous row left them in: a mixed step would otherwise leave the threads with the decode rows behind.
+// previous row left them in: a mixed step would otherwise leave the thread with the decode rows behind.
 static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t* start, const int64_t* request,
                                             int64_t batch, int64_t kv_heads, int64_t bytes_per_position,
                                             int64_t threads) {
@@ -268,7 +273,7 @@ static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t
   int64_t warm_rows = 0, lone_rows = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t positions = length[b] - start[b];
-    const bool warm = b > 0 && request[b - 1] == request[b] && positions * bytes_per_position <= kWarmBytes;
+    const bool warm = follows_its_request(request, length, start, b, bytes_per_position);
     warm_rows += warm;
     lone_rows += !warm && (b + 1 == batch || request[b + 1] != request[b]);
     cost[b + 1] = cost[b] + positions * (warm ? 1 : kColdWeight) + kTaskCost;
@@ -290,10 +295,10 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
                          int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request,
                          const int64_t* row_requests, float scale, float softcap, const float* sinks) {
   const int64_t group = heads / kv_heads, threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t bytes_per_position = dim * static_cast<int64_t>(2 * sizeof(T));
   std::vector<int64_t> request(batch);
   for (int64_t b = 0; b < batch; ++b) request[b] = row_requests ? row_requests[b] : b / queries_per_request;
-  const std::vector<int64_t> bounds = balanced_chunks(length, start, request.data(), batch, kv_heads,
-                                                      dim * static_cast<int64_t>(2 * sizeof(T)), threads);
+  const auto bounds = balanced_chunks(length, start, request.data(), batch, kv_heads, bytes_per_position, threads);
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -309,8 +314,8 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
       for (int64_t task = begin; task < end; ++task) {
         const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
         const Task<T>* next = task + 1 < end ? &following : nullptr;
-        const bool warm = task - kv_heads >= begin && make(task - kv_heads).slots == t.slots &&
-                          (t.length - t.first) * dim * static_cast<int64_t>(2 * sizeof(T)) <= kWarmBytes;
+        const bool warm = task - kv_heads >= begin &&
+                          follows_its_request(request.data(), length, start, task / kv_heads, bytes_per_position);
 #ifdef CONTBATCH_AVX512
         if (dim % 16 == 0) {
           warm ? attend_simd<Lanes16, 0>(t, next, scratch_a) : attend_simd<Lanes16, Loc>(t, next, scratch_a);
