@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 import contbatch
 from contbatch import ContinuousBatchingConfig, ContinuousMixin, GenerationOutput, RequestStatus, generate_batch
-from tests.helpers import TINY_CONFIGS, make_engine, random_prompts, reference_generate, run_engine, tiny_model
+from contbatch.engine import config as engine_config
+from contbatch.engine.config import default_max_batch_tokens
+from tests.helpers import (
+    TINY_CONFIGS,
+    fresh_tiny_model,
+    make_engine,
+    random_prompts,
+    reference_generate,
+    run_engine,
+    tiny_model,
+)
 
 GREEDY = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=None)
 SMALL = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=32)
@@ -116,3 +127,18 @@ def test_async_batching_through_generate_batch_equals_generate() -> None:
     for prompt, output in zip(prompts, outputs.values(), strict=True):
         assert output.generated_tokens == reference_generate(model, prompt, 6)
         assert output.status == RequestStatus.FINISHED
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_unset_budget_follows_the_device_and_dtype(monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """`max_batch_tokens=None`: 512 tokens on CPU, 2,048 for a bfloat16 model where the CPU has AMX, 4,096 on CUDA;
+    a budget the config sets always wins."""
+    monkeypatch.setattr(engine_config, "cpu_has_amx", lambda: amx)
+    assert default_max_batch_tokens("cpu", torch.float32) == 512
+    assert default_max_batch_tokens("cpu", torch.bfloat16) == (2048 if amx else 512)
+    assert default_max_batch_tokens("cuda", torch.bfloat16) == 4096
+    model = fresh_tiny_model("llama", "cpu").to(torch.bfloat16)
+    with make_engine(model, block_size=4, num_blocks=64) as engine:
+        assert engine.scheduler.max_batch_tokens == (2048 if amx else 512)
+    with make_engine(model, block_size=4, num_blocks=64, max_batch_tokens=24) as engine:
+        assert engine.scheduler.max_batch_tokens == 24

@@ -5,9 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from transformers import CompileConfig
 
+from contbatch.engine.cpu_features import cpu_has_amx
+
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
+AMX_MAX_BATCH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -127,3 +132,13 @@ class ContinuousBatchingConfig:
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def default_max_batch_tokens(device_type: str, dtype: torch.dtype) -> int:
+    """The token budget of a step when the config leaves `max_batch_tokens` unset: `DEFAULT_MAX_BATCH_TOKENS` for
+    the device (4,096 for a device it does not name), but `AMX_MAX_BATCH_TOKENS` for a bfloat16 model on a CPU with
+    AMX, whose products keep gaining from longer prompt chunks well past 512 rows (docs/performance.md, "a
+    sixtieth session")."""
+    if device_type == "cpu" and dtype == torch.bfloat16 and cpu_has_amx():
+        return AMX_MAX_BATCH_TOKENS
+    return DEFAULT_MAX_BATCH_TOKENS.get(device_type, 4096)

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
 from contbatch.engine.compile import engine_compile_paths
-from contbatch.engine.config import ContinuousBatchingConfig
+from contbatch.engine.config import ContinuousBatchingConfig, default_max_batch_tokens
 from contbatch.engine.cuda_graphs import resolve_graph_settings
 from contbatch.engine.generation_config import as_ids, check_supported, resolve_generation_config
 from contbatch.engine.kv_cache import (
@@ -37,8 +37,6 @@ from contbatch.engine.step_pipeline import StepPipeline, resolve_async_batching
 from contbatch.engine.step_timer import NO_STEP_TIMER, StepTimer
 from contbatch.engine.structured import GrammarCompiler
 from contbatch.engine.weights import WeightsFingerprint
-
-DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 
 
 class LLMEngine:
@@ -77,7 +75,8 @@ class LLMEngine:
             tune_malloc()
         vocab_size = input_vocab_size(model)
         probe = probe_layers(model)
-        spec, groups, repeats = cache_layout(model, next(model.parameters()).dtype, probe)
+        dtype = next(model.parameters()).dtype
+        spec, groups, repeats = cache_layout(model, dtype, probe)
         free = available_memory_bytes(device) - pending_packed_bytes(model)
         num_blocks = self.config.num_blocks or num_blocks_for_memory(
             spec, groups, self.config.block_size, max(free, 0), self.config.max_memory_percent
@@ -89,7 +88,7 @@ class LLMEngine:
             enable_caching=self.config.allow_block_sharing,
             windows=[group.sliding_window for group in groups],
         )
-        max_batch_tokens = self.config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 4096)
+        max_batch_tokens = self.config.max_batch_tokens or default_max_batch_tokens(device.type, dtype)
         self.scheduler = Scheduler(self.kv_manager, max_batch_tokens, self.config.scheduler_type,
                                    self.config.max_prefill_tokens_while_decoding)
         config = self.config

@@ -36,7 +36,7 @@ from contbatch.cli.serve import (
 )
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.engine.compile import SHARED_ATTRIBUTE, served_compile_config
-from contbatch.engine.engine import DEFAULT_MAX_BATCH_TOKENS
+from contbatch.engine.config import DEFAULT_MAX_BATCH_TOKENS
 from tests.helpers import tiny_model
 
 
