@@ -38,6 +38,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))
 _HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 PANEL = 16
+AMX_BLOCK = 64
 ARCH_ENV = "CONTBATCH_CPU_ARCH"
 
 DecodeKernel = Callable[..., torch.Tensor]
@@ -194,6 +195,33 @@ def pair_panels() -> bool:
     return panel_gemm() is not None and module is not None and bool(module.has_pair_panels())
 
 
+@functools.cache
+def amx_panels() -> bool:
+    """Whether `panel_gemm()` is there and takes bfloat16 weights in AMX blocks (`pack_amx_blocks`) through oneDNN's
+    AMX micro-kernel (`amx_gemm.cpp`): the CPU has AMX and the build AVX512-BF16. On an AMX Xeon 1.3-1.6x oneDNN's
+    prepacked product at decode sizes (docs/performance.md, "a sixtieth session")."""
+    module = kernel_module()
+    return (panel_gemm() is not None and module is not None and cpu_has_amx() and bool(module.has_amx_panels()))
+
+
+def pack_amx_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 `weight` [N, K] (K even) as the blocks `panel_linear` multiplies on AMX, contiguous:
+    [ceil(N / 64), K / 2, 128], block b holding output features 64b .. 64b + 63 (zeros past N), line j each
+    feature's k = 2j and 2j + 1 side by side."""
+    out_features, in_features = weight.shape
+    if in_features % 2:
+        raise ValueError(f"AMX blocks need an even number of input features, got {in_features}")
+    weight = F.pad(weight, (0, 0, 0, -out_features % AMX_BLOCK))
+    count, steps = weight.shape[0] // AMX_BLOCK, in_features // 2
+    return weight.reshape(count, AMX_BLOCK, steps, 2).transpose(1, 2).reshape(count, steps, 2 * AMX_BLOCK).contiguous()
+
+
+def pack_layer(weight: torch.Tensor) -> torch.Tensor:
+    """A layer's weight in the layout `panel_linear` takes for it: AMX blocks for bfloat16 where `amx_panels()`,
+    else `pack_panels`' panels."""
+    return pack_amx_blocks(weight) if weight.dtype == torch.bfloat16 and amx_panels() else pack_panels(weight)
+
+
 def pack_panels(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """`weight` [N, K] as the panels `panel_linear` reads, contiguous, panel p holding output features 16p .. 16p +
     15 (zeros past N). float32: [ceil(N / 16), K, 16]. bfloat16 in k pairs (`pairs`, by default where
@@ -246,7 +274,8 @@ def describe_build() -> str:
                                                          and mkl_is_fast() else "")
               + (", bfloat16 in pairs (AVX512-BF16)" if pair_panels() and not cpu_has_amx() else ""))
     if cpu_has_amx():
-        panels += "; bfloat16 products oneDNN's (AMX)"
+        panels += ("; bfloat16 layers AMX blocks (oneDNN's micro-kernel) up to AMX_MAX_ROWS rows, head oneDNN's"
+                   if amx_panels() else "; bfloat16 products oneDNN's (AMX)")
     levels = f"attention L{module.attention_prefetch()}" + (
         f", panels L{module.panel_prefetch()}" if module.has_panel_gemm() else "")
     screen = ("8-bit codes (VNNI)" if module.has_vnni() else

@@ -61,13 +61,17 @@ from torch import nn
 
 from contbatch.engine import layer_op
 from contbatch.engine.cpu_features import cpu_has_amx, cpu_has_avx512, cpu_has_bf16, mkl_is_fast
-from contbatch.engine.cpu_kernels import PanelLinear, pack_panels, pair_panels, panel_gemm, wide_panels
+from contbatch.engine.cpu_kernels import PanelLinear, amx_panels, pack_layer, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_product import SlicedHead, chunked_product, pack_slices, sliced_product, slices_head
 from contbatch.engine.head_screen import forget as forget_screen
 from contbatch.engine.head_screen import note_head_output, screened_product
 from contbatch.engine.ops import define_op
 
 LAYER_MAX_ROWS = 256
+AMX_MAX_ROWS = 512
+"""bfloat16 layers in AMX blocks (`amx_panels`) take them up to this many rows, and `F.linear` above: on an AMX
+Xeon at 512 rows the blocks ran 1.1x `F.linear`, at 2,048 rows 0.75-0.8x (docs/performance.md, "a sixtieth
+session")."""
 PANEL_MAX_WEIGHT = 3 << 20
 """Float32 weights with this many elements or more go through oneDNN where ATen runs AVX-512. On a Zen 5, 32
 distinct weights at 128 rows: Qwen2-0.5B's MLP (4,864 x 896) ran at 404 / 369 GFLOP/s in panels against 455 / 443
@@ -162,10 +166,10 @@ def packing_applies(linear: object) -> TypeGuard[nn.Linear]:
 
 def bf16_panels() -> bool:
     """Whether bfloat16 layers run through the panel kernel: it is built, and either the CPU has no bfloat16
-    arithmetic for oneDNN (so `F.linear` in bfloat16 takes a slow generic path), or the kernel multiplies bfloat16
-    pairs with AVX512-BF16 (`pair_panels`) and the CPU has no AMX (whose tiles oneDNN's bfloat16 product uses,
-    unmeasured against the pairs). The head takes them only in the first case (`_head_kind`)."""
-    return panel_gemm() is not None and (not cpu_has_bf16() or (pair_panels() and not cpu_has_amx()))
+    arithmetic for oneDNN (so `F.linear` in bfloat16 takes a slow generic path), or it takes AMX blocks
+    (`amx_panels`), or it multiplies bfloat16 pairs with AVX512-BF16 (`pair_panels`) and the CPU has no AMX. The
+    head takes them only in the first case (`_head_kind`)."""
+    return panel_gemm() is not None and (not cpu_has_bf16() or amx_panels() or (pair_panels() and not cpu_has_amx()))
 
 
 class PackedLinear(nn.Module):
@@ -207,7 +211,7 @@ class PackedLinear(nn.Module):
         source = (weight.data_ptr(), weight._version, panels, sliced)
         if source != self._packed_from:
             detached = weight.detach()
-            _packed[self.handle] = (pack_panels(detached) if panels else pack_slices(detached) if sliced
+            _packed[self.handle] = (pack_layer(detached) if panels else pack_slices(detached) if sliced
                                     else torch.ops.mkldnn._reorder_linear_weight(detached, None))
             self._packed_from = source
             forget_screen(self.handle)
@@ -333,12 +337,15 @@ class _Plan:
 
 
 def _layer_kind(linear: nn.Linear) -> tuple[int, bool]:
-    """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: every row count, in panels where `bf16_panels()`
-    (in k pairs where `pair_panels()`), else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`):
+    """(max_rows, panels) of a layer's `PackedLinear`. bfloat16: in AMX blocks up to `AMX_MAX_ROWS` rows where
+    `amx_panels()` and K is even (else oneDNN); elsewhere every row count, in panels where `bf16_panels()` (in k
+    pairs where `pair_panels()`), else through oneDNN. float32 where ATen runs AVX-512 (`cpu_has_avx512`):
     every row count, in panels where the panel kernel has its AVX-512 tiles (`wide_panels`) and the weight has
     fewer than `PANEL_MAX_WEIGHT` elements (only up to `LAYER_MAX_ROWS` rows where `mkl_is_fast`), else through
     oneDNN; elsewhere in panels up to `LAYER_MAX_ROWS` rows."""
     if linear.weight.dtype == torch.bfloat16:
+        if amx_panels():
+            return (AMX_MAX_ROWS, True) if linear.weight.shape[1] % 2 == 0 else (0, False)
         return (0, bf16_panels())
     if cpu_has_avx512():
         panels = wide_panels() and linear.weight.numel() < PANEL_MAX_WEIGHT

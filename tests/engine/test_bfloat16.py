@@ -30,42 +30,51 @@ def _bf16_model() -> nn.Module:
     return fresh_tiny_model("llama", "cpu").to(torch.bfloat16)
 
 
-def test_bf16_linears_are_packed_for_every_row_count() -> None:
-    """The layers in panels where `bf16_panels()` (in k pairs where `pair_panels()`), the head only where the CPU
-    lacks bfloat16 arithmetic; the rest in oneDNN's layout."""
+def test_bf16_linears_are_packed_by_the_cpu() -> None:
+    """The layers in AMX blocks up to `AMX_MAX_ROWS` rows where `amx_panels()`, else in panels at every row count
+    where `bf16_panels()` (in k pairs where `pair_panels()`), the head only where the CPU lacks bfloat16
+    arithmetic; the rest in oneDNN's layout."""
     model = _bf16_model()
     assert packing_applies(model.get_output_embeddings())
-    panels = packed_weights.bf16_panels()
+    panels, amx = packed_weights.bf16_panels(), cpu_kernels.amx_panels()
     with packed_forward(model):
         plan = model.__dict__[PLAN_ATTRIBUTE]
         head_panels = panels and not packed_weights.cpu_has_bf16()
         assert plan.packed_head.panels == head_panels and plan.packed_head.max_rows == 0
         assert len(plan.swaps) == 7 * len(model.model.layers)
-        assert all(swap.panels == panels and swap.max_rows == 0 for *_, swap in plan.swaps)
+        max_rows = packed_weights.AMX_MAX_ROWS if amx else 0
+        assert all(swap.panels == panels and swap.max_rows == max_rows for *_, swap in plan.swaps)
         copy = packed_weights._packed[plan.swaps[0][3].handle]
     if panels:
-        assert copy.shape[-1] == (2 * cpu_kernels.PANEL if cpu_kernels.pair_panels() else cpu_kernels.PANEL)
+        width = (2 * cpu_kernels.AMX_BLOCK if amx else 2 * cpu_kernels.PANEL if cpu_kernels.pair_panels()
+                 else cpu_kernels.PANEL)
+        assert copy.shape[-1] == width
 
 
-@pytest.mark.parametrize(("has_bf16", "pairs", "amx", "layers", "head"), [
-    (False, False, False, True, True),
-    (True, True, False, True, False),
-    (True, True, True, False, False),
-    (True, False, False, False, False),
+@pytest.mark.parametrize(("has_bf16", "pairs", "amx", "blocks", "layers", "head"), [
+    (False, False, False, False, True, True),
+    (True, True, False, False, True, False),
+    (True, True, True, True, True, False),
+    (True, True, True, False, False, False),
+    (True, False, False, False, False, False),
 ])
-def test_bf16_kinds_follow_the_cpu(has_bf16: bool, pairs: bool, amx: bool, layers: bool, head: bool,
+def test_bf16_kinds_follow_the_cpu(has_bf16: bool, pairs: bool, amx: bool, blocks: bool, layers: bool, head: bool,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Without bfloat16 arithmetic everything in (widened) panels; with AVX512-BF16 and the pair tiles built, the
-    layers in pairs and the head through oneDNN; with AMX, or without the pair tiles, everything through oneDNN.
-    The plan is checked without packing, which for oneDNN's bfloat16 layout needs a CPU that has it."""
+    layers in pairs and the head through oneDNN; with AMX the layers in AMX blocks up to `AMX_MAX_ROWS` rows where
+    the kernel has them (`amx_panels`), else through oneDNN like the head; without the pair tiles, everything
+    through oneDNN. The plan is checked without packing, which for oneDNN's bfloat16 layout needs a CPU that has
+    it."""
     if cpu_kernels.panel_gemm() is None:
         pytest.skip("needs the panel kernel")
     monkeypatch.setattr(packed_weights, "cpu_has_bf16", lambda: has_bf16)
     monkeypatch.setattr(packed_weights, "pair_panels", lambda: pairs)
     monkeypatch.setattr(packed_weights, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(packed_weights, "amx_panels", lambda: blocks)
     plan = packed_weights._Plan.of(_bf16_model(), packed_weights._setting())
     assert plan.packed_head is not None and len(plan.swaps) > 0
     assert {swap.panels for *_, swap in plan.swaps} == {layers}
+    assert {swap.max_rows for *_, swap in plan.swaps} == {packed_weights.AMX_MAX_ROWS if blocks else 0}
     assert plan.packed_head.panels == head
 
 

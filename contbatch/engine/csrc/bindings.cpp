@@ -31,6 +31,9 @@ bool has_pair_panels();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const c10::optional<at::Tensor>& bias);
 
+// amx_gemm.cpp
+bool has_amx_panels();
+
 // layer_op.cpp
 void register_packed(int64_t handle, const at::Tensor& packed);
 void forget_packed(int64_t handle);
@@ -81,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_panel_prefetch", &set_panel_prefetch,
         "the cache level (1 or 2) panel_linear prefetches its next panels to, for the whole process");
   m.def("panel_prefetch", &panel_prefetch, "the cache level panel_linear prefetches its next panels to");
+  m.def("has_amx_panels", &has_amx_panels, "whether panel_linear takes bfloat16 blocks for AMX ([B, K / 2, 128])");
   m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("register_packed", &register_packed, "a layer's packed weight for the operator contbatch_native::layer_product");
   m.def("forget_packed", &forget_packed, "drop the packed weight registered under a handle");

@@ -29,9 +29,15 @@
 // result depends on neither the batch nor the thread count. On a Zen 5, 1.15x oneDNN's bfloat16 product at 128
 // rows, 1.3x at 16-64, as fast at 512 (docs/performance.md, "a twenty-second session").
 //
+// bfloat16 blocks of 64 columns ([B, K / 2, 128], `amx_gemm.cpp`) go to the AMX product instead.
+//
 // Without AVX2 + FMA nothing is built here (`has_panel_gemm()` is false) and the caller keeps its other path.
 #include "tensor.h"
 #include <ATen/Parallel.h>
+
+// amx_gemm.cpp: bfloat16 blocks [B, K / 2, 128] go there.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias);
+constexpr int64_t kAmxBlock = 64;
 
 #include <algorithm>
 #include <array>
@@ -201,6 +207,9 @@ bool has_pair_panels() {
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
+  if (dtype == at::kBFloat16 && panels.dim() == 3 && panels.size(2) == 2 * kAmxBlock) {
+    return amx_linear(x, panels, N, bias);
+  }
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == at::kFloat || dtype == at::kBFloat16),
               "x: [M, K] contiguous float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
