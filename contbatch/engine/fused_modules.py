@@ -45,6 +45,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 from contbatch.engine.cpu_kernels import kernel_module
+from contbatch.engine.packed_weights import PackedLinear
 
 PLAN_ATTRIBUTE = "_contbatch_fused_plan"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -209,7 +210,8 @@ class FusedMLP(_StandIn):
     """Stands for a `LlamaMLP`-like module with SiLU (`is_llama_mlp`) inside contbatch's eager forwards:
     `down_proj(silu_mul(gate_proj(x), up_proj(x)))` through the module's projections (its own, or those another
     swap put in), the gating one pass of the `silu_mul` kernel where `_runs_fused` holds for x and both
-    projections' outputs; else the module's own forward."""
+    projections' outputs (with the two products where both run in AMX blocks: `_amx_gated`); else the module's
+    own forward."""
 
     def stands_for(self, own: nn.Module) -> bool:
         return own is self.own and is_llama_mlp(own)
@@ -218,12 +220,29 @@ class FusedMLP(_StandIn):
         if not _runs_fused(x, x.dtype):
             return self.own(x)
         modules = self._modules
+        gated = _amx_gated(modules["gate_proj"], modules["up_proj"], x)
+        if gated is not None:
+            return modules["down_proj"](gated)  # type: ignore[misc]
         gate, up = modules["gate_proj"](x), modules["up_proj"](x)  # type: ignore[misc]
         if not (_runs_fused(gate, x.dtype) and _runs_fused(up, x.dtype) and gate.shape == up.shape):
             return modules["down_proj"](modules["act_fn"](gate) * up)  # type: ignore[misc]
         width = gate.shape[-1]
         gated = kernel_module().silu_mul(gate.reshape(-1, width).contiguous(), up.reshape(-1, width).contiguous())
         return modules["down_proj"](gated.view(gate.shape))  # type: ignore[misc]
+
+
+def _amx_gated(gate: nn.Module | None, up: nn.Module | None, x: torch.Tensor) -> torch.Tensor | None:
+    """`silu(gate(x)) * up(x)` in one pass of the AMX product (`amx_silu_mul`: both products, each rounded to
+    bfloat16, then the `silu_mul` kernel's arithmetic, so bit for bit the unfused result) where both projections
+    are `PackedLinear`s whose product of `x` runs in AMX blocks (`PackedLinear.amx_blocks`) with one width, a
+    multiple of 16; else None."""
+    if not (isinstance(gate, PackedLinear) and isinstance(up, PackedLinear)):
+        return None
+    gates, ups, width = gate.amx_blocks(x), up.amx_blocks(x), gate.weight.shape[0]
+    if gates is None or ups is None or up.weight.shape[0] != width or width % 16:
+        return None
+    gated = kernel_module().amx_silu_mul(x.reshape(-1, x.shape[-1]).contiguous(), gates, ups, width)
+    return gated.view(*x.shape[:-1], width)
 
 
 class FusedAttention(_StandIn):

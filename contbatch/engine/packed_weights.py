@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contbatch.engine import layer_op
+from contbatch.engine import cpu_kernels, layer_op
 from contbatch.engine.cpu_features import cpu_has_amx, cpu_has_avx512, cpu_has_bf16, mkl_is_fast
 from contbatch.engine.cpu_kernels import PanelLinear, amx_panels, pack_layer, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_product import SlicedHead, chunked_product, pack_slices, sliced_product, slices_head
@@ -236,6 +236,16 @@ class PackedLinear(nn.Module):
             return self._native(x, weight, bias, self.handle, self.max_rows)
         product = packed_linear if compiling else packed_product
         return product(x, weight, bias, self.handle, self.max_rows, self.panels)
+
+    def amx_blocks(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The AMX blocks (`amx_panels`) this layer's product of `x` would run through, directly and without a
+        bias; None where it would take another path."""
+        direct = self._direct
+        if (direct is None or self._parameters_of[1] is not None or x.dtype is not torch.bfloat16 or x.dim() < 2
+                or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or direct[1].shape[-1] != 2 * cpu_kernels.AMX_BLOCK or math.prod(x.shape[:-1]) > direct[3]):
+            return None
+        return direct[1]
 
     @classmethod
     def for_linear(cls, linear: nn.Linear, max_rows: int = 0, panels: bool = False, head: bool = False) -> PackedLinear:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contbatch.engine import packed_weights
+from contbatch.engine import cpu_kernels, fused_modules, packed_weights
 from contbatch.engine.cpu_kernels import AMX_BLOCK, amx_panels, pack_amx_blocks, panel_gemm
 from contbatch.engine.packed_weights import AMX_MAX_ROWS, PackedLinear
 
@@ -92,3 +92,33 @@ def test_layers_take_the_blocks_up_to_their_row_limit() -> None:
         blocks = gemm(x[:AMX_MAX_ROWS].contiguous(), packed_weights._packed[packed.handle], 192, linear.bias)
         assert torch.equal(packed(x[:AMX_MAX_ROWS]), blocks)
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_gated_product_is_the_two_products_then_silu_mul() -> None:
+    """`amx_silu_mul` is bit for bit `silu_mul` over the two products as each layer computes them alone."""
+    x, gate, _ = _operands(300, 192, 576, seed=11)
+    _, up, _ = _operands(1, 192, 576, seed=12)
+    gemm, module = panel_gemm(), cpu_kernels.kernel_module()
+    assert gemm is not None and module is not None
+    gates, ups = pack_amx_blocks(gate), pack_amx_blocks(up)
+    unfused = module.silu_mul(gemm(x, gates, 192, None), gemm(x, ups, 192, None))
+    assert torch.equal(module.amx_silu_mul(x, gates, ups, 192), unfused)
+    with pytest.raises(RuntimeError, match="N must be a multiple of 16, got 184"):
+        module.amx_silu_mul(x, gates, ups, 184)
+
+
+def test_mlp_gates_in_one_pass_only_where_both_products_take_the_blocks() -> None:
+    gate, up = nn.Linear(576, 192, bias=False), nn.Linear(576, 192, bias=False)
+    packed = [PackedLinear.for_linear(linear.to(torch.bfloat16), *packed_weights._layer_kind(linear))
+              for linear in (gate, up)]
+    for layer in packed:
+        layer.refresh()
+    x = torch.randn(2, 5, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        gated = fused_modules._amx_gated(*packed, x)
+        assert gated is not None and gated.shape == (2, 5, 192)
+        gates, ups = (layer(x).view(10, 192) for layer in packed)
+        assert torch.equal(gated.view(10, 192), cpu_kernels.kernel_module().silu_mul(gates, ups))
+        assert fused_modules._amx_gated(packed[0], up, x) is None
+        assert fused_modules._amx_gated(*packed, torch.randn(AMX_MAX_ROWS + 1, 576).to(torch.bfloat16)) is None
+    assert fused_modules._amx_gated(*packed, x) is None  # grad on: the products' own path

@@ -33,6 +33,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
 
 // amx_gemm.cpp
 bool has_amx_panels();
+at::Tensor amx_silu_mul(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t N);
 
 // layer_op.cpp
 void register_packed(int64_t handle, const at::Tensor& packed);
@@ -85,6 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the cache level (1 or 2) panel_linear prefetches its next panels to, for the whole process");
   m.def("panel_prefetch", &panel_prefetch, "the cache level panel_linear prefetches its next panels to");
   m.def("has_amx_panels", &has_amx_panels, "whether panel_linear takes bfloat16 blocks for AMX ([B, K / 2, 128])");
+  m.def("amx_silu_mul", &amx_silu_mul, kNoGil,
+        "F.silu(x @ G.T) * (x @ U.T) in bfloat16, G and U in AMX blocks, each product rounded as a layer's is");
   m.def("panel_linear", &panel_linear, kNoGil, "x @ W.T + bias with W prepacked in 16-column panels (CPU, float32)");
   m.def("register_packed", &register_packed, "a layer's packed weight for the operator contbatch_native::layer_product");
   m.def("forget_packed", &forget_packed, "drop the packed weight registered under a handle");
