@@ -22,10 +22,10 @@ rate. Every bfloat16 linear, the head included, then runs through the panel kern
 panels widened to float32 as they are read, float32 FMAs, the result rounded to bfloat16 once, at the rate of the
 float32 kernel with half its weight traffic. Where the CPU has AVX512-BF16 but no AMX and the kernel is built with
 it (`pair_panels`), the bfloat16 layers take the kernel's pair tiles (`vdpbf16ps` over bfloat16 panels in k pairs)
-at every row count: on a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows, 1.3x at 16-64. The head, and every
-bfloat16 linear on a CPU with AMX, take oneDNN's bfloat16 product over a prepacked copy at every row count: 1.1-1.6x
-`F.linear` in bfloat16, which reorders the weight at each call (docs/performance.md, "a sixteenth session" and "a
-twenty-second session").
+at every row count: on a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows, 1.3x at 16-64. With AMX the layers
+take AMX blocks up to `AMX_MAX_ROWS` rows (`amx_panels`: oneDNN's micro-kernel without its per-call work) and
+`F.linear` above. The head, and layers of an odd K, take oneDNN's bfloat16 product over a prepacked copy at every
+row count: 1.1-1.6x `F.linear` in bfloat16, which reorders the weight each call (performance.md, "a sixteenth session").
 
 `packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
 through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of

@@ -72,7 +72,8 @@ def test_the_kernels_line_reads_the_build_and_never_starts_one(monkeypatch: pyte
     assert f"-march={cpu_kernels.target_arch()}; " in line
     assert f"prefetch attention L{module.attention_prefetch()}" in line
     assert ("panel product AVX-512" in line) == cpu_kernels.wide_panels()
-    assert ("bfloat16 products oneDNN's (AMX)" in line) == cpu_features.cpu_has_amx()
+    assert ("bfloat16 layers AMX blocks" in line) == (cpu_features.cpu_has_amx() and cpu_kernels.amx_panels())
+    assert ("bfloat16 products oneDNN's (AMX)" in line) == (cpu_features.cpu_has_amx() and not cpu_kernels.amx_panels())
     assert ("MKL's above" in line) == (cpu_kernels.wide_panels() and cpu_features.mkl_is_fast())
 
     @functools.cache
