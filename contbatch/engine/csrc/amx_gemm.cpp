@@ -2,9 +2,10 @@
 // GEMM micro-kernel, as torch exposes it (`at::native::cpublas::brgemm`), over a weight prepacked once in 64-column
 // blocks. oneDNN's own prepacked product (`mkldnn::_linear_pointwise`) spends about 20 us a call before its kernel
 // runs (descriptors, its primitive cache, a scratchpad); this calls the micro-kernel straight, from cached kernels.
-// On an AMX Xeon (2 threads), in us: 128 x 576 x 576 36-40 against 58-67, 128 x 1536 x 576 100-108 against 140-155,
-// the 30 layers' seven products with cold weights at 16 rows 11 ms against 17-19 (docs/performance.md, "a sixtieth
-// session"). From a few hundred rows up oneDNN's blocking wins, so the caller keeps `F.linear` there.
+// On an AMX Xeon (2 threads), in us: 128 x 576 x 576 36-41 against 51-67, 128 x 1536 x 576 85-108 against 107-154,
+// the 30 layers' seven products with cold weights at 16 rows 10-12 ms against 14-19 (docs/performance.md, "a sixtieth
+// session"). From about a thousand rows up oneDNN's own blocking wins, so the caller takes `F.linear` there.
+// `amx_silu_mul` runs an MLP's gate and up products task by task and writes `silu_mul`'s result from both scratches.
 //
 // The weight [N, K] (K even) is stored as blocks [B, K / 2, 128] (B = ceil(N / 64), zero-padded): block b holds
 // output features 64b .. 64b + 63 in AMX's pair layout, line j holding each feature's k = 2j and 2j + 1 side by side.
