@@ -122,3 +122,21 @@ def test_mlp_gates_in_one_pass_only_where_both_products_take_the_blocks() -> Non
         assert fused_modules._amx_gated(packed[0], up, x) is None
         assert fused_modules._amx_gated(*packed, torch.randn(AMX_MAX_ROWS + 1, 576).to(torch.bfloat16)) is None
     assert fused_modules._amx_gated(*packed, x) is None  # grad on: the products' own path
+
+
+def test_blocks_follow_a_weight_updated_in_place() -> None:
+    """An optimizer step changes the weight in place: the next forward's refresh packs the blocks again, so the
+    product never serves the old weight (what a GRPO trainer's generation between steps relies on)."""
+    linear = nn.Linear(64, 128, bias=False).to(torch.bfloat16)
+    packed = PackedLinear.for_linear(linear, *packed_weights._layer_kind(linear))
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    gemm = panel_gemm()
+    assert gemm is not None
+    with torch.no_grad():
+        packed.refresh()
+        before = packed(x)
+        linear.weight.mul_(-2)
+        packed.refresh()
+        after = packed(x)
+    assert torch.equal(after, gemm(x, pack_amx_blocks(linear.weight.detach()), 128, None))
+    assert not torch.equal(after, before)
