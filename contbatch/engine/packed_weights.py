@@ -70,7 +70,7 @@ from contbatch.engine.ops import define_op
 LAYER_MAX_ROWS = 256
 AMX_MAX_ROWS = 512
 """bfloat16 layers in AMX blocks (`amx_panels`) take them up to this many rows, and `F.linear` above: on an AMX
-Xeon at 512 rows the blocks ran 1.1x `F.linear`, at 2,048 rows 0.75-0.8x (docs/performance.md, "a sixtieth
+Xeon at 512 rows the blocks ran 1.0-1.15x `F.linear`, at 2,048 rows 0.77-0.89x (docs/performance.md, "a sixtieth
 session")."""
 PANEL_MAX_WEIGHT = 3 << 20
 """Float32 weights with this many elements or more go through oneDNN where ATen runs AVX-512. On a Zen 5, 32

@@ -4,7 +4,7 @@
 // runs (descriptors, its primitive cache, a scratchpad); this calls the micro-kernel straight, from cached kernels.
 // On an AMX Xeon (2 threads), in us: 128 x 576 x 576 36-41 against 51-67, 128 x 1536 x 576 85-108 against 107-154,
 // the 30 layers' seven products with cold weights at 16 rows 10-12 ms against 14-19 (docs/performance.md, "a sixtieth
-// session"). From about a thousand rows up oneDNN's own blocking wins, so the caller takes `F.linear` there.
+// session"). At 2,048 rows oneDNN's own blocking wins, so the caller takes `F.linear` above 512.
 // `amx_silu_mul` runs an MLP's gate and up products task by task and writes `silu_mul`'s result from both scratches.
 //
 // The weight [N, K] (K even) is stored as blocks [B, K / 2, 128] (B = ceil(N / 64), zero-padded): block b holds
