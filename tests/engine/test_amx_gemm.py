@@ -140,3 +140,19 @@ def test_blocks_follow_a_weight_updated_in_place() -> None:
         after = packed(x)
     assert torch.equal(after, gemm(x, pack_amx_blocks(linear.weight.detach()), 128, None))
     assert not torch.equal(after, before)
+
+
+def test_attention_tiles_leave_the_next_product_its_own_configuration() -> None:
+    """The attention kernel's AMX tiles (scores of a bfloat16 cache) configure the threads' tiles their own way;
+    a product on AMX blocks afterwards, on the same threads, computes what it computed before."""
+    x, weight, bias = _operands(40, 192, 576, seed=9)
+    blocks = pack_amx_blocks(weight)
+    gemm, attend = panel_gemm(), cpu_kernels.paged_decode_kernel()
+    assert gemm is not None and attend is not None
+    before = gemm(x, blocks, 192, bias)
+    keys, values = torch.randn(2, 256, 64).to(torch.bfloat16), torch.randn(2, 256, 64).to(torch.bfloat16)
+    slots = torch.arange(256).view(4, 64)
+    lengths, first = torch.full((4,), 64), torch.zeros(4, dtype=torch.long)
+    out = attend(torch.randn(4, 6, 64).to(torch.bfloat16), keys, values, slots, lengths, first, 0.125, 0.0, 1)
+    assert out.isfinite().all()
+    assert torch.equal(gemm(x, blocks, 192, bias), before)

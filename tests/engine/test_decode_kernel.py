@@ -43,6 +43,8 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     (1, 5, 40, 0.0),   # 8 lanes only; query heads in register groups of 4 then 1; columns 2 vectors then 1
     (2, 2, 24, 0.0),   # 8 lanes only; columns 4 vectors at a time then 1 at a time
     (1, 7, 80, 0.0),   # with 16 lanes: scores of 3 + 3 + 1 heads, columns 4 vectors then 1
+    (2, 4, 96, 0.0),   # bfloat16 pairs: three registers a row; AMX tiles: three tiles of key rows a score
+    (1, 17, 32, 0.0),  # more query heads than an AMX tile of scores holds (16): bfloat16 pairs for every score
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_sinks", [False, True])

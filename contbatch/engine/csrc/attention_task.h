@@ -29,5 +29,6 @@ struct Task {
   float scale, softcap;
   float* out;            // [group, dim]
   const float* sinks;    // [group] the query heads' sink logits (gpt-oss), or null
+  bool warm;             // its rows are in cache already: prefetch nothing
 };
 

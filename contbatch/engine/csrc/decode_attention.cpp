@@ -9,16 +9,15 @@
 // into contiguous ranges of about equal work, one a thread, or several a thread, taken in turn by whichever thread
 // is free, in a step mixing decode rows with a prefill chunk's (`balanced_chunks`).
 //
-// With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes. The
-// first computes every score, 8 positions at a time: with AVX-512, each key row is loaded once for up to 3 query
-// heads; then an exact softmax over them (exp as a vector polynomial). The second sums the value rows weighted by the
-// probabilities, 16 rows at a time with the output rows held in registers: each output element is one sum over the
-// positions in order, whatever the width. Each key row is prefetched 32 positions before it is read, each value row
-// during the key pass, and the key rows of a thread's next task while the current one's value pass runs. Elsewhere
-// a scalar two-pass loop computes the same function. The prefetches go to L1 or to L2 (`set_attention_prefetch`):
-// which streams faster depends on the CPU, and contbatch measures it once a machine (engine/kernel_tuning.py). A task
-// right after its thread's task of the same request's previous row (a prefill chunk) prefetches nothing: its rows
-// are in cache (`kWarmBytes`).
+// With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes: the
+// first computes every score, then an exact softmax over them (exp as a vector polynomial); the second sums the value
+// rows weighted by the probabilities, 16 rows at a time with the output rows held in registers, each output element
+// one sum over the positions in order, whatever the width. A thread runs its tasks as a pipeline, the value pass of
+// one beside the key pass of the next (attention_pipeline.h, which says how the scores are computed for each
+// cache and CPU). Elsewhere a scalar two-pass loop computes the same function. Rows are prefetched to L1 or to L2
+// (`set_attention_prefetch`): which streams faster depends on the CPU, and contbatch measures it once a machine
+// (engine/kernel_tuning.py). A task right after its thread's task of the same request's previous row (a prefill
+// chunk) prefetches nothing: its rows are in cache (`kWarmBytes`).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,9 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_pipeline.h"
 #include "attention_task.h"
-#include "simd.h"
-#include "softmax.h"
 
 static std::atomic<int64_t> prefetch_level{1};
 
@@ -76,174 +74,6 @@ static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vec
     for (int64_t d = 0; d < dim; ++d) t.out[g * dim + d] = acc[g * dim + d] / row_sum[g];
 }
 
-#ifdef CONTBATCH_AVX2
-// The scores' scale (and soft cap) applied to 8 sums, lanes >= count set to -inf.
-template <typename T>
-static inline __m256 finish8(__m256 s, const Task<T>& t, int64_t count) {
-  s = _mm256_mul_ps(s, _mm256_set1_ps(t.scale));
-  if (t.softcap > 0.f) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, s);
-    for (float& x : lanes) x = t.softcap * std::tanh(x / t.softcap);
-    s = _mm256_load_ps(lanes);
-  }
-  const __m256 valid = _mm256_cmp_ps(_mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_ps(float(count)), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
-}
-
-// The 8 scores of each of the GN query heads q + g * dim against the key rows kr[0, 8), finished (`finish8`),
-// stored at out + g * stride. Each key row is loaded once for the GN heads.
-template <typename S, int GN, typename T>
-static inline void scores8(const float* q, const T* const* kr, const Task<T>& t, int64_t count, float* out,
-                           int64_t stride) {
-  typename S::V a[GN][8];
-  for (int g = 0; g < GN; ++g)
-    for (int i = 0; i < 8; ++i) a[g][i] = S::zero();
-  for (int64_t c = 0; c < t.dim; c += S::kWidth) {
-    typename S::V qv[GN];
-    for (int g = 0; g < GN; ++g) qv[g] = S::load(q + g * t.dim + c);
-    for (int i = 0; i < 8; ++i) {
-      const typename S::V k = S::load(kr[i] + c);
-      for (int g = 0; g < GN; ++g) a[g][i] = S::fma(qv[g], k, a[g][i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < GN; ++g) {
-    __m256 folded[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) folded[i] = S::fold(a[g][i]);
-    _mm256_storeu_ps(out + g * stride, finish8(reduce8(folded), t, count));
-  }
-}
-
-// `scores8` for every query head of the task, up to 3 heads per pass over the rows with 16 lanes (1 with 8: AVX2
-// has 16 registers).
-template <typename S, typename T>
-static inline void scores_of_rows(const Task<T>& t, const T* const* kr, int64_t count, float* out, int64_t stride) {
-  for (int64_t g = 0; g < t.group;) {
-    const int64_t left = t.group - g;
-    if constexpr (S::kWidth == 16) {
-      if (left >= 3) {
-        scores8<S, 3>(t.q + g * t.dim, kr, t, count, out + g * stride, stride);
-        g += 3;
-        continue;
-      }
-      if (left == 2) {
-        scores8<S, 2>(t.q + g * t.dim, kr, t, count, out + g * stride, stride);
-        g += 2;
-        continue;
-      }
-    }
-    scores8<S, 1>(t.q + g * t.dim, kr, t, count, out + g * stride, stride);
-    g += 1;
-  }
-}
-
-// out[g][c, c + W CN) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + W CN), g < GN: the
-// GN x CN output vectors stay in registers over the rows (independent FMA chains), each row is loaded once.
-template <typename S, int GN, int CN, typename T>
-static void accumulate_columns(const float* probs, int64_t stride, const T* const* vr, int64_t count,
-                               int64_t dim, int64_t c, float* out) {
-  typename S::V a[GN][CN];
-  for (int g = 0; g < GN; ++g)
-    for (int k = 0; k < CN; ++k) a[g][k] = S::load(out + g * dim + c + S::kWidth * k);
-  for (int64_t i = 0; i < count; ++i) {
-    typename S::V b[GN];
-    for (int g = 0; g < GN; ++g) b[g] = S::broadcast(probs + g * stride + i);
-    for (int k = 0; k < CN; ++k) {
-      const typename S::V v = S::load(vr[i] + c + S::kWidth * k);
-      for (int g = 0; g < GN; ++g) a[g][k] = S::fma(b[g], v, a[g][k]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int k = 0; k < CN; ++k) S::store(out + g * dim + c + S::kWidth * k, a[g][k]);
-}
-
-// accumulate_columns over every column of the GN output rows, CN vectors at a time.
-template <typename S, int GN, int CN, typename T>
-static void accumulate_values(const float* probs, int64_t stride, const T* const* vr, int64_t count,
-                              int64_t dim, float* out) {
-  int64_t c = 0;
-  for (; c + S::kWidth * CN <= dim; c += S::kWidth * CN)
-    accumulate_columns<S, GN, CN>(probs, stride, vr, count, dim, c, out);
-  for (; c < dim; c += S::kWidth) accumulate_columns<S, GN, 1>(probs, stride, vr, count, dim, c, out);
-}
-
-constexpr int64_t kValueRows = 16;
-constexpr int64_t kKeyPrefetch = 32;
-constexpr int64_t kNextKeys = 32;
-
-// Each group's scores at s[0, stride) replaced by their softmax (lanes at -inf give 0), with a head's sink logit in
-// its denominator where the task has sinks; the outputs zeroed.
-template <typename T>
-static void softmax_rows(const Task<T>& t, float* scores, int64_t stride) {
-  for (int64_t g = 0; g < t.group; ++g) {
-    float* s = scores + g * stride;
-    const float highest = t.sinks ? std::max(max_of(s, stride), t.sinks[g]) : max_of(s, stride);
-    const float total = exp_in_place(s, stride, highest);
-    const float sink = t.sinks ? std::exp(t.sinks[g] - highest) : 0.f;
-    scale_in_place(s, stride, 1.f / (total + sink));
-    std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
-  }
-}
-
-// The value pass: out[g] = sum over positions of probs[g] * value row, kValueRows rows at a time. Meanwhile the key
-// rows of `next` (the thread's next task, or null) past its first kKeyPrefetch are prefetched, kNextKeys rows per
-// kValueRows value rows, so that the memory keeps streaming while the value pass computes from the cache.
-template <typename S, int Loc, typename T>
-static void weigh_values(const Task<T>& t, const float* scores, int64_t stride, const Task<T>* next) {
-  constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
-  const T* rows[kValueRows];
-  const int64_t dim = t.dim, n = t.length;
-  int64_t ahead = next == nullptr ? 0 : next->first + kKeyPrefetch;
-  for (int64_t j0 = t.first; j0 < n; j0 += kValueRows, ahead += kNextKeys) {
-    const int64_t count = std::min<int64_t>(kValueRows, n - j0);
-    for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
-    for (int64_t j = j0 + kValueRows; j < std::min(j0 + 2 * kValueRows, n); ++j)
-      prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
-    if (next != nullptr)
-      for (int64_t j = ahead; j < std::min(ahead + kNextKeys, next->length); ++j)
-        prefetch_row<Loc>(next->k + next->slots[j] * dim, dim);
-    const float* p = scores + (j0 - t.first);
-    for (int64_t g = 0; g < t.group; g += 4) {
-      float* out = t.out + g * dim;
-      const float* pg = p + g * stride;
-      switch (std::min<int64_t>(4, t.group - g)) {
-        case 1: accumulate_values<S, 1, kOneHeadVectors>(pg, stride, rows, count, dim, out); break;
-        case 2: accumulate_values<S, 2, 4>(pg, stride, rows, count, dim, out); break;
-        case 3: accumulate_values<S, 3, 4>(pg, stride, rows, count, dim, out); break;
-        default: accumulate_values<S, 4, 2>(pg, stride, rows, count, dim, out); break;
-      }
-    }
-  }
-}
-
-// One task with S's lanes (head_dim a multiple of S::kWidth); `next` (or null): the thread's next task, whose key rows
-// are prefetched from before the value pass on.
-template <typename S, int Loc, typename T>
-static void attend_simd(const Task<T>& t, const Task<T>* next, std::vector<float>& scores) {
-  const int64_t dim = t.dim, first = t.first, n = t.length;
-  const int64_t stride = (n - first + 7) / 8 * 8;
-  scores.resize(t.group * stride);
-  const T* rows[8];
-  for (int64_t j = first; j < std::min(first + kKeyPrefetch, n); ++j) prefetch_row<Loc>(t.k + t.slots[j] * dim, dim);
-  for (int64_t j = first; j < std::min(first + 8, n); ++j) prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
-  for (int64_t j0 = first; j0 < n; j0 += 8) {
-    const int64_t count = std::min<int64_t>(8, n - j0);
-    for (int i = 0; i < 8; ++i) rows[i] = t.k + t.slots[j0 + std::min<int64_t>(i, count - 1)] * dim;
-    for (int64_t j = j0 + kKeyPrefetch; j < std::min(j0 + kKeyPrefetch + 8, n); ++j)
-      prefetch_row<Loc>(t.k + t.slots[j] * dim, dim);
-    for (int64_t j = j0 + 8; j < std::min(j0 + 16, n); ++j) prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
-    scores_of_rows<S>(t, rows, count, scores.data() + (j0 - first), stride);
-  }
-  for (int64_t j = first; j < std::min(first + kValueRows, n); ++j) prefetch_row<Loc>(t.v + t.slots[j] * dim, dim);
-  if (next != nullptr)
-    for (int64_t j = next->first; j < std::min(next->first + kKeyPrefetch, next->length); ++j)
-      prefetch_row<Loc>(next->k + next->slots[j] * dim, dim);
-  softmax_rows(t, scores.data(), stride);
-  weigh_values<S, Loc>(t, scores.data(), stride, next);
-}
-#endif
 
 // A task reading at most this many bytes of keys and values right after this thread's task of its request's previous
 // row finds them in cache (L2 is 1-2 MB a core on current x86 servers) and prefetches nothing (`prefetch_row`).
@@ -256,8 +86,7 @@ static inline bool follows_its_request(const int64_t* request, const int64_t* le
 }
 
 // Chunks a thread in a step mixing rows from cache with rows from memory, taken by whichever thread is free (the
-// cost model below is a guess). Elsewhere one a thread: a chunk's first task cannot prefetch while the previous
-// chunk runs, which cost a decode step of 128 short rows 4-10%.
+// cost model below is a guess). Elsewhere one a thread.
 constexpr int64_t kChunksPerThread = 8;
 
 // The bounds of contiguous ranges of [0, batch * kv_heads) tasks with about equal work each: one a thread, or
@@ -302,35 +131,41 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch_a, scratch_b;
-    const auto make = [&](int64_t task) {
+    int64_t chunk = next_chunk++, task = chunk < chunks ? bounds[chunk] : 0;
+    const auto next = [&](Task<T>& t) {
+      while (chunk < chunks && task >= bounds[chunk + 1]) {
+        chunk = next_chunk++;
+        if (chunk < chunks) task = bounds[chunk];
+      }
+      if (chunk >= chunks) return false;
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      return Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                     slot + request[b] * max_len, start[b], length[b], group, dim, scale, softcap,
-                     out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr};
+      const bool warm = task - kv_heads >= bounds[chunk] &&
+                        follows_its_request(request.data(), length, start, b, bytes_per_position);
+      t = Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
+                  slot + request[b] * max_len, start[b], length[b], group, dim, scale, softcap,
+                  out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr, warm};
+      ++task;
+      return true;
     };
-    for (int64_t chunk = next_chunk++; chunk < chunks; chunk = next_chunk++) {
-      const int64_t begin = bounds[chunk], end = bounds[chunk + 1];
-      for (int64_t task = begin; task < end; ++task) {
-        const Task<T> t = make(task), following = make(std::min(task + 1, end - 1));
-        const Task<T>* next = task + 1 < end ? &following : nullptr;
-        const bool warm = task - kv_heads >= begin &&
-                          follows_its_request(request.data(), length, start, task / kv_heads, bytes_per_position);
+#ifdef CONTBATCH_TILES
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (dim % kPairWidth == 0 && group <= kTileRows && tiles_permitted()) {
+        const TileScope tiles(group);
+        return pipeline<Lanes16, Scores::kTiles, Loc, T>(next);
+      }
+#endif
+#ifdef CONTBATCH_PAIRS
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (dim % kPairWidth == 0) return pipeline<Lanes16, Scores::kPairs, Loc, T>(next);
+#endif
 #ifdef CONTBATCH_AVX512
-        if (dim % 16 == 0) {
-          warm ? attend_simd<Lanes16, 0>(t, next, scratch_a) : attend_simd<Lanes16, Loc>(t, next, scratch_a);
-          continue;
-        }
+    if (dim % 16 == 0) return pipeline<Lanes16, Scores::kLanes, Loc, T>(next);
 #endif
 #ifdef CONTBATCH_AVX2
-        if (dim % 8 == 0) {
-          warm ? attend_simd<Lanes8, 0>(t, next, scratch_a) : attend_simd<Lanes8, Loc>(t, next, scratch_a);
-          continue;
-        }
+    if (dim % 8 == 0) return pipeline<Lanes8, Scores::kLanes, Loc, T>(next);
 #endif
-        attend_scalar<Loc>(t, scratch_a, scratch_b);
-      }
-    }
+    std::vector<float> scores, acc;
+    for (Task<T> t; next(t);) attend_scalar<Loc>(t, scores, acc);
   });
 }
 

@@ -1,0 +1,195 @@
+// The vector path of contbatch's CPU attention (decode_attention.cpp): a thread's tasks as a pipeline in which one
+// task's value pass runs beside the next task's key pass.
+//
+// A task makes two passes over its rows: the key pass computes every score, then an exact softmax over them; the
+// value pass sums the value rows weighted by the probabilities. Run one after the other, each pass reads one stream
+// of rows from memory and waits on it. Here the value pass of task i and the key pass of task i + 1 take turns, 16
+// rows each: two streams of rows in flight at once, each row prefetched kPrefetchRows positions before it is read,
+// while the other pass computes. Each task's arithmetic is the same, in the same order, as when it runs alone.
+//
+// The scores (`Scores`): float32 lanes over rows widened as they are read (`scores_of_rows`, attention_rows.h);
+// for a bfloat16 cache with AVX512-BF16, bfloat16 pairs (`scores_of_pairs`, attention_pairs.h); with AMX as well,
+// tiles of 16 positions wherever their key rows lie one after another (`tile_scores16`, attention_tiles.h), pairs
+// elsewhere.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "attention_pairs.h"
+#include "attention_rows.h"
+#include "attention_tiles.h"
+#include "softmax.h"
+
+#ifdef CONTBATCH_AVX2
+enum class Scores { kLanes, kPairs, kTiles };
+
+constexpr int64_t kValueRows = 16;
+constexpr int64_t kPrefetchRows = 16;
+
+// One task in the pipeline: its scores (then probabilities), `stride` a head, and its query heads in bfloat16 for
+// the pair and tile kernels.
+template <typename T>
+struct Stage {
+  Task<T> task{};
+  std::vector<float> scores;
+  std::vector<c10::BFloat16> query, tiles;
+  int64_t stride = 0;
+};
+
+// Readies `s` for task t's key pass.
+template <Scores K, typename T>
+static void begin_keys(Stage<T>& s, const Task<T>& t) {
+  s.task = t;
+  s.stride = (t.length - t.first + 7) / 8 * 8;
+  s.scores.resize(t.group * s.stride);
+#ifdef CONTBATCH_PAIRS
+  if constexpr (K != Scores::kLanes) {
+    s.query.resize(t.group * t.dim);
+    query_pairs(t.q, t.group * t.dim, s.query.data());
+  }
+#endif
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) {
+    s.tiles.resize(t.group * t.dim);
+    query_tiles(t.q, t.group, t.dim, s.tiles.data());
+  }
+#endif
+}
+
+// The scores of the stage's positions [j0, j0 + 8) (those below its length).
+template <typename S, Scores K, typename T>
+static inline void key_rows(Stage<T>& s, int64_t j0) {
+  const Task<T>& t = s.task;
+  const int64_t count = std::min<int64_t>(8, t.length - j0);
+  const T* rows[8];
+  for (int i = 0; i < 8; ++i) rows[i] = t.k + t.slots[j0 + std::min<int64_t>(i, count - 1)] * t.dim;
+  float* out = s.scores.data() + (j0 - t.first);
+#ifdef CONTBATCH_PAIRS
+  if constexpr (K != Scores::kLanes) {
+    scores_of_pairs(t, s.query.data(), rows, count, out, s.stride);
+    return;
+  }
+#endif
+  scores_of_rows<S>(t, rows, count, out, s.stride);
+}
+
+// The scores of the stage's positions [j0, end), end - j0 <= kValueRows.
+template <typename S, Scores K, typename T>
+static inline void key_chunk(Stage<T>& s, int64_t j0, int64_t end) {
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) {
+    const Task<T>& t = s.task;
+    if (end - j0 == kTileRows && rows_follow(t.slots, j0)) {
+      tile_scores16(t, t.k + t.slots[j0] * t.dim, s.tiles.data(), s.scores.data() + (j0 - t.first), s.stride);
+      return;
+    }
+  }
+#endif
+  for (; j0 < end; j0 += 8) key_rows<S, K>(s, j0);
+}
+
+// Each group's scores replaced by their softmax (lanes at -inf give 0), with a head's sink logit in its denominator
+// where the task has sinks; the outputs zeroed.
+template <typename T>
+static void finish_keys(Stage<T>& s) {
+  const Task<T>& t = s.task;
+  for (int64_t g = 0; g < t.group; ++g) {
+    float* p = s.scores.data() + g * s.stride;
+    const float highest = t.sinks ? std::max(max_of(p, s.stride), t.sinks[g]) : max_of(p, s.stride);
+    const float total = exp_in_place(p, s.stride, highest);
+    const float sink = t.sinks ? std::exp(t.sinks[g] - highest) : 0.f;
+    scale_in_place(p, s.stride, 1.f / (total + sink));
+    std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
+  }
+}
+
+// out[g] += the value rows [j0, j0 + kValueRows) (those below the length) weighted by their probabilities.
+template <typename S, Scores K, typename T>
+static inline void value_rows(const Stage<T>& s, int64_t j0) {
+  constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
+  const Task<T>& t = s.task;
+  const int64_t count = std::min<int64_t>(kValueRows, t.length - j0), dim = t.dim;
+  const T* rows[kValueRows];
+  for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
+  const float* p = s.scores.data() + (j0 - t.first);
+#ifdef CONTBATCH_PAIRS
+  if constexpr (K != Scores::kLanes) {
+    weigh_pairs(t, p, s.stride, rows, count);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < t.group; g += 4) {
+    float* out = t.out + g * dim;
+    const float* pg = p + g * s.stride;
+    switch (std::min<int64_t>(4, t.group - g)) {
+      case 1: accumulate_values<S, 1, kOneHeadVectors>(pg, s.stride, rows, count, dim, out); break;
+      case 2: accumulate_values<S, 2, 4>(pg, s.stride, rows, count, dim, out); break;
+      case 3: accumulate_values<S, 3, 4>(pg, s.stride, rows, count, dim, out); break;
+      default: accumulate_values<S, 4, 2>(pg, s.stride, rows, count, dim, out); break;
+    }
+  }
+}
+
+// Prefetches the rows of positions [from, to) (those below `length`) to cache level 1 (Loc 3) or 2 (Loc 2).
+template <int Loc, typename T>
+static inline void prefetch_rows(const T* base, const int64_t* slots, int64_t from, int64_t to, int64_t length,
+                                 int64_t dim) {
+  for (int64_t j = from; j < std::min(to, length); ++j) prefetch_row<Loc>(base + slots[j] * dim, dim);
+}
+
+// The value pass of `values` and the key pass of `keys` (either may be null), kValueRows rows of each in turn.
+// A stage whose rows are in cache already (`Task::warm`) prefetches nothing.
+template <typename S, Scores K, int Loc, typename T>
+static void overlap(const Stage<T>* values, Stage<T>* keys) {
+  int64_t jv = values ? values->task.first : 0, jk = keys ? keys->task.first : 0;
+  const int64_t nv = values ? values->task.length : 0, nk = keys ? keys->task.length : 0;
+  const bool fetch_keys = keys && !keys->task.warm, fetch_values = values && !values->task.warm;
+  while (jv < nv || jk < nk) {
+    if (jk < nk) {
+      if (fetch_keys)
+        prefetch_rows<Loc>(keys->task.k, keys->task.slots, jk + kPrefetchRows, jk + kPrefetchRows + kValueRows, nk,
+                           keys->task.dim);
+      const int64_t end = std::min(jk + kValueRows, nk);
+      key_chunk<S, K>(*keys, jk, end);
+      jk = end;
+    }
+    if (jv < nv) {
+      if (fetch_values)
+        prefetch_rows<Loc>(values->task.v, values->task.slots, jv + kPrefetchRows, jv + kPrefetchRows + kValueRows,
+                           nv, values->task.dim);
+      value_rows<S, K>(*values, jv);
+      jv += kValueRows;
+    }
+  }
+}
+
+// The outputs of a stage whose value pass is done, in column order.
+template <Scores K, typename T>
+static inline void finish_values(const Stage<T>& s) {
+#ifdef CONTBATCH_PAIRS
+  if constexpr (K != Scores::kLanes) unpair_rows(s.task.out, s.task.group, s.task.dim);
+#endif
+}
+
+// A thread's tasks through the pipeline: `next(t)` sets t to each task in turn, and returns false when there are no
+// more.
+template <typename S, Scores K, int Loc, typename T, typename Next>
+static void pipeline(Next next) {
+  Stage<T> stages[2];
+  Stage<T>* pending = nullptr;
+  Task<T> t;
+  for (int at = 0; next(t); at ^= 1) {
+    Stage<T>& s = stages[at];
+    begin_keys<K>(s, t);
+    overlap<S, K, Loc>(pending, &s);
+    if (pending) finish_values<K>(*pending);
+    finish_keys(s);
+    pending = &s;
+  }
+  if (pending == nullptr) return;
+  overlap<S, K, Loc, T>(pending, nullptr);
+  finish_values<K>(*pending);
+}
+#endif
