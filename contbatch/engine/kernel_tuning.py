@@ -175,20 +175,24 @@ def _alternated(set_level: Callable[[int], None], one_pass: Callable[[], object]
 
 
 def measure_attention_prefetch(module: Any, rounds: int = 7) -> dict[int, float]:
-    """Seconds of one pass of `module.paged_decode_attention` over a float32 cache larger than this CPU's caches
-    (`_cache_bytes`: 64 requests x 256 positions a layer, as many layers as it takes) at each level
-    (`_alternated`)."""
-    per_layer = 2 * _KV_HEADS * _REQUESTS * _CONTEXT * _DIM * 4
-    layers = math.ceil(_cache_bytes() / per_layer)
-    keys = torch.zeros(layers, _KV_HEADS, _REQUESTS * _CONTEXT, _DIM)
-    values = torch.zeros_like(keys)
+    """Seconds of one pass of `module.paged_decode_attention` over a float32 cache and a bfloat16 one, each larger
+    than this CPU's caches (`_cache_bytes`: 64 requests x 256 positions a layer, as many layers as it takes), at
+    each level (`_alternated`): the kernel reads the two through different code (bfloat16 pairs and AMX tiles where
+    the CPU has them), and the faster level for one need not be the faster for the other."""
     query = torch.ones(_REQUESTS, _KV_HEADS * _GROUP, _DIM)
     slots = torch.arange(_REQUESTS * _CONTEXT).view(_REQUESTS, _CONTEXT)
     lengths, first = torch.full((_REQUESTS,), _CONTEXT), torch.zeros(_REQUESTS, dtype=torch.long)
+    passes = []
+    for dtype in (torch.float32, torch.bfloat16):
+        per_layer = 2 * _KV_HEADS * _REQUESTS * _CONTEXT * _DIM * dtype.itemsize
+        keys = torch.zeros(math.ceil(_cache_bytes() / per_layer), _KV_HEADS, _REQUESTS * _CONTEXT, _DIM, dtype=dtype)
+        passes.append((query.to(dtype), keys, torch.zeros_like(keys)))
 
     def one_pass() -> None:
-        for layer in range(layers):
-            module.paged_decode_attention(query, keys[layer], values[layer], slots, lengths, first, _DIM**-0.5, 0.0, 1)
+        for rows, keys, values in passes:
+            for layer in range(keys.shape[0]):
+                module.paged_decode_attention(rows, keys[layer], values[layer], slots, lengths, first, _DIM**-0.5,
+                                              0.0, 1)
 
     return _alternated(module.set_attention_prefetch, one_pass, rounds)
 
