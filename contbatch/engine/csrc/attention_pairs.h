@@ -47,13 +47,7 @@ static inline void pair_scores8(const c10::BFloat16* q, const c10::BFloat16* con
       for (int g = 0; g < GN; ++g) a[g][i] = _mm512_dpbf16_ps(a[g][i], qv[g], k);
     }
   }
-#pragma GCC unroll 4
-  for (int g = 0; g < GN; ++g) {
-    __m256 folded[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) folded[i] = Lanes16::fold(a[g][i]);
-    _mm256_storeu_ps(out + g * stride, finish8(reduce8(folded), t, count));
-  }
+  store_scores8<Lanes16>(a, t, count, out, stride);
 }
 
 // `pair_scores8` for every query head of the task, up to 3 heads per pass over the rows.

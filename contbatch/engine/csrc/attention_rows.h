@@ -21,6 +21,20 @@ static inline __m256 finish8(__m256 s, const Task<T>& t, int64_t count) {
   return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
 }
 
+// The partial sums a[g][i] (S's lanes) of GN query heads against 8 key rows, each summed across its lanes and
+// finished (`finish8`), head g's 8 scores stored at out + g * stride.
+template <typename S, int GN, typename T>
+static inline void store_scores8(const typename S::V (&a)[GN][8], const Task<T>& t, int64_t count, float* out,
+                                 int64_t stride) {
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g) {
+    __m256 folded[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) folded[i] = S::fold(a[g][i]);
+    _mm256_storeu_ps(out + g * stride, finish8(reduce8(folded), t, count));
+  }
+}
+
 // The 8 scores of each of the GN query heads q + g * dim against the key rows kr[0, 8), finished (`finish8`),
 // stored at out + g * stride. Each key row is loaded once for the GN heads.
 template <typename S, int GN, typename T>
@@ -37,13 +51,7 @@ static inline void scores8(const float* q, const T* const* kr, const Task<T>& t,
       for (int g = 0; g < GN; ++g) a[g][i] = S::fma(qv[g], k, a[g][i]);
     }
   }
-#pragma GCC unroll 4
-  for (int g = 0; g < GN; ++g) {
-    __m256 folded[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) folded[i] = S::fold(a[g][i]);
-    _mm256_storeu_ps(out + g * stride, finish8(reduce8(folded), t, count));
-  }
+  store_scores8<S>(a, t, count, out, stride);
 }
 
 // `scores8` for every query head of the task, up to 3 heads per pass over the rows with 16 lanes (1 with 8: AVX2
