@@ -258,11 +258,14 @@ def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
     return cpuinfo_line(("flags", "Features"), cpuinfo)
 
 
+_SCORES = {"tiles": "AMX tiles", "pairs": "AVX512-BF16 pairs", "lanes": "float32 lanes", "scalar": "scalar"}
+
+
 def describe_build() -> str:
     """The kernels' build on this machine in one line, for a benchmark's notes: its `-march` target, the
     instruction sets of the panel product (and where the products leave it: `packed_weights`), the head screen's,
-    and the prefetch levels chosen here. Loads a build that exists on disk; never starts one (a process that has
-    not loaded the kernels says so)."""
+    how attention computes a bfloat16 cache's scores, and the prefetch levels chosen here. Loads a build that
+    exists on disk; never starts one (a process that has not loaded the kernels says so)."""
     name = extension_name()
     built = kernel_module.cache_info().currsize > 0 or (build_directory(name) / f"{name}.so").exists()
     module = kernel_module() if built else None
@@ -280,5 +283,6 @@ def describe_build() -> str:
         f", panels L{module.panel_prefetch()}" if module.has_panel_gemm() else "")
     screen = ("8-bit codes (VNNI)" if module.has_vnni() else
               "7-bit codes" + (", contbatch's AVX2 product" if module.has_screen_product() else ""))
+    scores = _SCORES[module.attention_bfloat16_scores()]
     return (f"contbatch's CPU kernels: -march={target_arch()}; panel product {panels}; head screen {screen}; "
-            f"prefetch {levels}")
+            f"bfloat16 attention scores {scores}; prefetch {levels}")

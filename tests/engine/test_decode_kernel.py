@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contbatch.engine.cpu_kernels import greedy_tokens, kernel_module, kv_row_writer, paged_decode_kernel
+from contbatch.engine import cpu_features
+from contbatch.engine.cpu_kernels import greedy_tokens, kernel_module, kv_row_writer, paged_decode_kernel, target_arch
 from contbatch.engine.kv_cache import KVCacheSpec, PagedKVCache
 
 BLOCK = 16
@@ -74,6 +75,22 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_bfloat16_scores_take_the_widest_path_of_the_build() -> None:
+    """AMX tiles where the build targets this CPU and it has AMX, bfloat16 pairs where it has AVX512-BF16 only,
+    float32 lanes in a build for AVX2 or AVX-512 without BF16, scalar code below that."""
+    module = kernel_module()
+    assert module is not None
+    flags = set(cpu_features.cpuinfo_line(("flags",)).split())
+    arch = target_arch()
+    if arch == "native":
+        expected = "tiles" if cpu_features.cpu_has_amx() else "pairs" if "avx512_bf16" in flags else "lanes"
+    else:
+        expected = {"x86-64-v4": "lanes", "x86-64-v3": "lanes", "x86-64": "scalar"}.get(arch)
+    if expected is None or not {"avx2", "fma"} <= flags:
+        pytest.skip(f"no expectation for -march={arch} on this CPU")
+    assert module.attention_bfloat16_scores() == expected
 
 
 @pytest.mark.parametrize(("kv_heads", "group", "dim", "window"), [(3, 3, 64, 0), (2, 2, 24, 0), (1, 4, 32, 5)])

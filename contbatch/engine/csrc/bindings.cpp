@@ -21,6 +21,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   const c10::optional<at::Tensor>& sinks);
 void set_attention_prefetch(int64_t level);
 int64_t attention_prefetch();
+std::string attention_bfloat16_scores();
 
 // panel_gemm.cpp
 bool has_panel_gemm();
@@ -78,6 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_attention_prefetch", &set_attention_prefetch,
         "the cache level (1 or 2) paged_decode_attention prefetches rows to, for the whole process");
   m.def("attention_prefetch", &attention_prefetch, "the cache level paged_decode_attention prefetches rows to");
+  m.def("attention_bfloat16_scores", &attention_bfloat16_scores,
+        "how paged_decode_attention computes a bfloat16 cache's scores here: tiles, pairs, lanes or scalar");
   m.def("row_argmax", &row_argmax, kNoGil, "argmax over the last dim (CPU, float32 or bfloat16), as torch.argmax");
   m.def("has_panel_gemm", &has_panel_gemm, "whether panel_linear is built (AVX2 + FMA)");
   m.def("has_wide_panels", &has_wide_panels, "whether panel_linear takes float32 panels two at a time (AVX-512)");

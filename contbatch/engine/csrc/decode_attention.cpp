@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +38,21 @@ void set_attention_prefetch(int64_t level) {
 }
 
 int64_t attention_prefetch() { return prefetch_level.load(std::memory_order_relaxed); }
+
+// How this build computes a bfloat16 cache's scores on this CPU (head_dim a multiple of 32, at most 16 query heads
+// a KV head): "tiles" (AMX), "pairs" (AVX512-BF16), "lanes" (float32 lanes, AVX2 or AVX-512) or "scalar".
+std::string attention_bfloat16_scores() {
+#ifdef CONTBATCH_TILES
+  if (tiles_permitted()) return "tiles";
+#endif
+#if defined(CONTBATCH_PAIRS)
+  return "pairs";
+#elif defined(CONTBATCH_AVX2)
+  return "lanes";
+#else
+  return "scalar";
+#endif
+}
 
 template <int Loc, typename T>
 static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc) {
