@@ -249,8 +249,10 @@ def _attend_group(
     layout, kv_slots = group.layouts[cache_group], group.kv_slots[cache_group]
     batch, num_queries, context = group.batch_size, group.num_queries, layout.length
     num_heads, head_dim = queries.shape[1], queries.shape[2]
-    q = queries.contiguous() if group.whole_batch else queries.index_select(0, group.query_rows)
+    q = queries if group.whole_batch else queries.index_select(0, group.query_rows)
     kernel = _kernel_for(q, cache)
+    if kernel is None or kernel is not paged_decode_kernel():  # only the C++ kernel reads rows and heads at any stride
+        q = q.contiguous()
     ragged = () if group.row_requests is None else (group.row_requests,)
     if ragged and kernel is None:
         raise RuntimeError(f"a ragged attention group needs a kernel: the Triton kernel ({KERNEL_ENV}=triton) or, "

@@ -77,6 +77,24 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_query_rows_and_heads_at_any_stride(dtype: torch.dtype) -> None:
+    """A query laid out [heads, rows, dim] (the model's layout) and read through a transposed view gives the result
+    of its contiguous copy, bit for bit, in the query's dtype."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, 64 * BLOCK, 64, generator=generator).to(dtype)
+    values = torch.randn(3, 64 * BLOCK, 64, generator=generator).to(dtype)
+    slots = torch.randperm(64 * BLOCK, generator=generator)[: 5 * 40].view(5, 40)
+    lengths, first = torch.tensor([1, 16, 17, 33, 40]), torch.zeros(5, dtype=torch.long)
+    query = torch.randn(9, 5, 64, generator=generator).to(dtype).transpose(0, 1)
+    assert not query.is_contiguous()
+    got = kernel(query, keys, values, slots, lengths, first, 0.125, 0.0, 1)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, kernel(query.contiguous(), keys, values, slots, lengths, first, 0.125, 0.0, 1))
+
+
 def test_bfloat16_scores_take_the_widest_path_of_the_build() -> None:
     """AMX tiles where the build targets this CPU and it has AMX, bfloat16 pairs where it has AVX512-BF16 only,
     float32 lanes in a build for AVX2 or AVX-512 without BF16, scalar code below that."""

@@ -2,7 +2,7 @@
 // has AVX512-BF16 and head_dim is a multiple of 32: each cache row is read as raw bfloat16 pairs, 32 elements to a
 // register, with no widening shuffle.
 //
-// Scores: `_mm512_dpbf16_ps` of the query (rounded to bfloat16: exact, the query was bfloat16) and each key row.
+// Scores: `_mm512_dpbf16_ps` of the (bfloat16) query and each key row.
 // Each lane adds its two products to its sum in turn (each product exact in float32), then the lanes are summed as
 // the float32-lane kernel sums them (`attention_rows.h`): a score differs from that kernel's only in the order of its
 // float32 additions (and in flushing denormal inputs to zero).
@@ -19,13 +19,6 @@
 #if defined(CONTBATCH_AVX512) && defined(__AVX512BF16__)
 #define CONTBATCH_PAIRS 1
 constexpr int64_t kPairWidth = 32;
-
-// The `count` values at q (float32, each a bfloat16) as bfloat16 at out, `count` a multiple of 32.
-static inline void query_pairs(const float* q, int64_t count, c10::BFloat16* out) {
-  for (int64_t c = 0; c < count; c += kPairWidth)
-    _mm512_storeu_si512(out + c, reinterpret_cast<__m512i>(
-                                     _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(q + c))));
-}
 
 static inline __m512bh load_pairs(const c10::BFloat16* x) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(x));

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "attention_pairs.h"
@@ -33,7 +34,7 @@ constexpr int64_t kPrefetchRows = 16;
 template <typename T>
 struct Stage {
   Task<T> task{};
-  std::vector<float> scores;
+  std::vector<float> scores, query32, sums;
   std::vector<c10::BFloat16> query, tiles;
   int64_t stride = 0;
 };
@@ -44,16 +45,24 @@ static void begin_keys(Stage<T>& s, const Task<T>& t) {
   s.task = t;
   s.stride = (t.length - t.first + 7) / 8 * 8;
   s.scores.resize(t.group * s.stride);
+  s.sums.resize(t.group * t.dim);
+  s.task.out = s.sums.data();
+  if constexpr (K == Scores::kLanes) {
+    s.query32.resize(t.group * t.dim);
+    widen_query(t, s.query32.data());
+    s.task.q = s.query32.data();
+  }
 #ifdef CONTBATCH_PAIRS
   if constexpr (K != Scores::kLanes) {
     s.query.resize(t.group * t.dim);
-    query_pairs(t.q, t.group * t.dim, s.query.data());
+    for (int64_t g = 0; g < t.group; ++g)
+      std::copy(t.query + g * t.query_stride, t.query + g * t.query_stride + t.dim, s.query.data() + g * t.dim);
   }
 #endif
 #ifdef CONTBATCH_TILES
   if constexpr (K == Scores::kTiles) {
     s.tiles.resize(t.group * t.dim);
-    query_tiles(t.q, t.group, t.dim, s.tiles.data());
+    query_tiles(s.query.data(), t.group, t.dim, s.tiles.data());
   }
 #endif
 }
@@ -165,12 +174,22 @@ static void overlap(const Stage<T>* values, Stage<T>* keys) {
   }
 }
 
-// The outputs of a stage whose value pass is done, in column order.
+// The outputs of a stage whose value pass is done, in column order, stored in the cache's dtype (bfloat16 rounded as
+// c10::BFloat16 rounds).
 template <Scores K, typename T>
 static inline void finish_values(const Stage<T>& s) {
+  const Task<T>& t = s.task;
 #ifdef CONTBATCH_PAIRS
-  if constexpr (K != Scores::kLanes) unpair_rows(s.task.out, s.task.group, s.task.dim);
+  if constexpr (K != Scores::kLanes) unpair_rows(t.out, t.group, t.dim);
 #endif
+  const int64_t count = t.group * t.dim;
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(t.out, t.out + count, t.dest);
+  } else {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) store8(t.dest + i, _mm256_loadu_ps(t.out + i));
+    for (; i < count; ++i) t.dest[i] = static_cast<T>(t.out[i]);
+  }
 }
 
 // A thread's tasks through the pipeline: `next(t)` sets t to each task in turn, and returns false when there are no

@@ -21,14 +21,24 @@ static inline void prefetch_row(const T* row, int64_t dim) {
 
 template <typename T>
 struct Task {
-  const float* q;        // [group, dim] the query heads of one kv head
+  const T* query;        // the query heads of one kv head, head g at query + g * query_stride
+  int64_t query_stride;
   const T* k;            // this kv head's key slots
   const T* v;            // this kv head's value slots
   const int64_t* slots;  // the request's slot of each position
   int64_t first, length, group, dim;
   float scale, softcap;
-  float* out;            // [group, dim]
+  T* dest;               // [group, dim] the output, in the cache's dtype
   const float* sinks;    // [group] the query heads' sink logits (gpt-oss), or null
   bool warm;             // its rows are in cache already: prefetch nothing
+  const float* q;        // [group, dim] the query heads in float32, and
+  float* out;            // [group, dim] the output's float32 sums: the pass running the task sets both
 };
+
+// The query heads of t as float32 in q ([group, dim]).
+template <typename T>
+static inline void widen_query(const Task<T>& t, float* q) {
+  for (int64_t g = 0; g < t.group; ++g)
+    for (int64_t d = 0; d < t.dim; ++d) q[g * t.dim + d] = static_cast<float>(t.query[g * t.query_stride + d]);
+}
 

@@ -59,16 +59,14 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// The `group` query heads at q (float32 [group, dim], each value a bfloat16) as tile 2's operand for each 32 columns
-// s: out[((s * 16 + r) * group + g) * 2 + e] = q[g][32 s + 2 r + e].
-static inline void query_tiles(const float* q, int64_t group, int64_t dim, c10::BFloat16* out) {
+// The `group` query heads at q (bfloat16 [group, dim]) as tile 2's operand for each 32 columns s:
+// out[((s * 16 + r) * group + g) * 2 + e] = q[g][32 s + 2 r + e].
+static inline void query_tiles(const c10::BFloat16* q, int64_t group, int64_t dim, c10::BFloat16* out) {
   const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(static_cast<int32_t>(group)));
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < dim; c += 32) {
-      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * dim + c + 16), _mm512_loadu_ps(q + g * dim + c));
-      _mm512_i32scatter_epi32(out + (c * group + g * 2), across, reinterpret_cast<__m512i>(pairs), 4);
-    }
+    for (int64_t c = 0; c < dim; c += 32)
+      _mm512_i32scatter_epi32(out + (c * group + g * 2), across, _mm512_loadu_si512(q + g * dim + c), 4);
 }
 
 // Whether positions [j0, j0 + 16) lie one after another in the cache.

@@ -55,16 +55,19 @@ std::string attention_bfloat16_scores() {
 }
 
 template <int Loc, typename T>
-static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc) {
+static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vector<float>& acc,
+                          std::vector<float>& query) {
   const int64_t group = t.group, dim = t.dim, n = t.length, f = t.first;
   scores.assign(group * n, 0.f);
   acc.assign(group * dim, 0.f);
+  query.resize(group * dim);
+  widen_query(t, query.data());
   std::vector<float> row_max(group, -INFINITY), row_sum(group, 0.f);
   for (int64_t j = f; j < n; ++j) {
     const T* kr = t.k + t.slots[j] * dim;
     if (j + kPrefetchAhead < n) prefetch_row<Loc>(t.k + t.slots[j + kPrefetchAhead] * dim, dim);
     for (int64_t g = 0; g < group; ++g) {
-      const float* qg = t.q + g * dim;
+      const float* qg = query.data() + g * dim;
       float s = 0.f;
       for (int64_t d = 0; d < dim; ++d) s += qg[d] * static_cast<float>(kr[d]);
       s *= t.scale;
@@ -87,7 +90,7 @@ static void attend_scalar(const Task<T>& t, std::vector<float>& scores, std::vec
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) t.out[g * dim + d] = acc[g * dim + d] / row_sum[g];
+    for (int64_t d = 0; d < dim; ++d) t.dest[g * dim + d] = static_cast<T>(acc[g * dim + d] / row_sum[g]);
 }
 
 
@@ -135,8 +138,9 @@ static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t
 }
 
 template <int Loc, typename T>
-static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* slot, const int64_t* length,
-                         const int64_t* start, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+static void attend_tasks(const T* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, const T* v,
+                         const int64_t* slot, const int64_t* length, const int64_t* start, T* out, int64_t batch,
+                         int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t num_slots, int64_t max_len, int64_t queries_per_request,
                          const int64_t* row_requests, float scale, float softcap, const float* sinks) {
   const int64_t group = heads / kv_heads, threads = std::max<int64_t>(1, at::get_num_threads());
@@ -157,9 +161,10 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const bool warm = task - kv_heads >= bounds[chunk] &&
                         follows_its_request(request.data(), length, start, b, bytes_per_position);
-      t = Task<T>{q + (b * heads + h * group) * dim, k + h * num_slots * dim, v + h * num_slots * dim,
-                  slot + request[b] * max_len, start[b], length[b], group, dim, scale, softcap,
-                  out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr, warm};
+      t = Task<T>{q + b * q_row_stride + h * group * q_head_stride, q_head_stride, k + h * num_slots * dim,
+                  v + h * num_slots * dim, slot + request[b] * max_len, start[b], length[b], group, dim, scale,
+                  softcap, out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr, warm,
+                  nullptr, nullptr};
       ++task;
       return true;
     };
@@ -180,8 +185,8 @@ static void attend_tasks(const float* q, const T* k, const T* v, const int64_t* 
 #ifdef CONTBATCH_AVX2
     if (dim % 8 == 0) return pipeline<Lanes8, Scores::kLanes, Loc, T>(next);
 #endif
-    std::vector<float> scores, acc;
-    for (Task<T> t; next(t);) attend_scalar<Loc>(t, scores, acc);
+    std::vector<float> scores, acc, query;
+    for (Task<T> t; next(t);) attend_scalar<Loc>(t, scores, acc, query);
   });
 }
 
@@ -202,7 +207,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, "cache of the query's dtype");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [R, H, D], its last dimension contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(slots.is_contiguous() && slots.dtype() == at::kLong);
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(0), num_slots = key_cache.size(1), max_len = slots.size(1);
@@ -225,27 +231,23 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(!has_sinks || (sinks->numel() == heads && sinks->scalar_type() == at::kFloat &&
                              sinks->is_contiguous()), "sinks: [H] contiguous float32, one for each query head");
   const float* sink = has_sinks ? sinks->data_ptr<float>() : nullptr;
-  const at::Tensor q32 = query.to(at::kFloat);
-  auto output = at::empty_like(q32);
-  const float* q = q32.data_ptr<float>();
+  auto output = at::empty({batch, heads, dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
   const int64_t* start = first.data_ptr<int64_t>();
-  float* out = output.data_ptr<float>();
   const float scale32 = static_cast<float>(scale), softcap32 = static_cast<float>(softcap);
   const auto attend = [&](const auto* k, const auto* v) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
     const auto run = [&](auto locality) {
-      attend_tasks<decltype(locality)::value>(q, k, v, slot, length, start, out, batch, heads, kv_heads, dim,
+      attend_tasks<decltype(locality)::value>(query.data_ptr<T>(), query.stride(0), query.stride(1), k, v, slot,
+                                              length, start, output.data_ptr<T>(), batch, heads, kv_heads, dim,
                                               num_slots, max_len, queries_per_request, request_of, scale32,
                                               softcap32, sink);
     };
     if (attention_prefetch() == 2) run(std::integral_constant<int, 2>{});
     else run(std::integral_constant<int, 3>{});
   };
-  if (dtype == at::kFloat) {
-    attend(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
-    return output;
-  }
-  attend(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
-  return output.to(dtype);
+  if (dtype == at::kFloat) attend(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
+  else attend(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
+  return output;
 }
