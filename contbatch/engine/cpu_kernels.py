@@ -47,10 +47,11 @@ _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def paged_decode_kernel() -> DecodeKernel | None:
     """The compiled `paged_decode_attention(query, key_cache, value_cache, slots, lengths, first, scale, softcap,
-    queries_per_request, row_requests=None)`: query rows [B * queries_per_request, heads, dim], row r attending to
-    positions [first[r], lengths[r]) of its request's slots [B, L] (decode: one query per request; prefill: a
-    chunk's causal rows); with `row_requests` ([R] int64) row r is request row_requests[r]'s, in any order (a
-    ragged batch: a whole step in one call). Query and cache both float32 or both bfloat16, float32 arithmetic.
+    queries_per_request, row_requests=None)`: query rows [B * queries_per_request, heads, dim] (any strides but the
+    last's), row r attending to positions [first[r], lengths[r]) of its request's slots [B, L] (decode: one query
+    per request; prefill: a chunk's causal rows); with `row_requests` ([R] int64) row r is request
+    row_requests[r]'s, in any order (a ragged batch: a whole step in one call). Query and cache both float32 or
+    both bfloat16, float32 arithmetic.
     None when it is disabled or cannot be built (the reason is logged once)."""
     module = kernel_module()
     return None if module is None else module.paged_decode_attention

@@ -190,7 +190,8 @@ static void attend_tasks(const T* q, int64_t q_row_stride, int64_t q_head_stride
   });
 }
 
-// query: [R, H, D], R = B * queries_per_request rows, request b's queries at rows b * queries_per_request on;
+// query: [R, H, D] at any strides but the last (a transposed view is read in place), R = B * queries_per_request
+// rows, request b's queries at rows b * queries_per_request on;
 // key_cache, value_cache: [KVH, S, D] (head-major slots), float32 or bfloat16, of the query's dtype; slots: [B, L]
 // cache slot of each request's positions 0..L-1; lengths: [R] the keys each row attends to (positions below
 // lengths[r], causal prefill rows included); first: [R] each row's first visible position (sliding window). A
