@@ -251,7 +251,7 @@ def _attend_group(
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     q = queries if group.whole_batch else queries.index_select(0, group.query_rows)
     kernel = _kernel_for(q, cache)
-    if kernel is None or kernel is not paged_decode_kernel():  # only the C++ kernel reads rows and heads at any stride
+    if kernel is None or kernel is triton_paged_attention:  # the C++ kernel reads rows and heads at any stride
         q = q.contiguous()
     ragged = () if group.row_requests is None else (group.row_requests,)
     if ragged and kernel is None:
