@@ -29,8 +29,8 @@ enum class Scores { kLanes, kPairs, kTiles };
 constexpr int64_t kValueRows = 16;
 constexpr int64_t kPrefetchRows = 16;
 
-// One task in the pipeline: its scores (then probabilities), `stride` a head, and its query heads in bfloat16 for
-// the pair and tile kernels.
+// One task in the pipeline: its scores (then probabilities), `stride` a head; its output's float32 sums; its query
+// heads in float32 for the lane kernels, in bfloat16 (and packed for tiles) for the pair and tile kernels.
 template <typename T>
 struct Stage {
   Task<T> task{};
