@@ -59,11 +59,16 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
+// Lane i holds i * step (the offsets of 16 rows `step` elements apart, for a gather or a scatter).
+static inline __m512i lane_multiples(int64_t step) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(static_cast<int32_t>(step)));
+}
+
 // The `group` query heads at q (bfloat16 [group, dim]) as tile 2's operand for each 32 columns s:
 // out[((s * 16 + r) * group + g) * 2 + e] = q[g][32 s + 2 r + e].
 static inline void query_tiles(const c10::BFloat16* q, int64_t group, int64_t dim, c10::BFloat16* out) {
-  const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int32_t>(group)));
+  const __m512i across = lane_multiples(group);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < dim; c += 32)
       _mm512_i32scatter_epi32(out + (c * group + g * 2), across, _mm512_loadu_si512(q + g * dim + c), 4);
@@ -92,8 +97,7 @@ static inline void tile_scores16(const Task<T>& t, const c10::BFloat16* keys, co
     _tile_dpbf16ps(0, 1, 2);
   }
   _tile_stored(0, sums, t.group * 4);
-  const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int32_t>(t.group)));
+  const __m512i across = lane_multiples(t.group);
   const __m512 scale = _mm512_set1_ps(t.scale);
   for (int64_t g = 0; g < t.group; ++g) {
     __m512 s = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(across, _mm512_set1_epi32(g)), sums, 4), scale);
