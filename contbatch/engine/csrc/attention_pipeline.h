@@ -5,7 +5,8 @@
 // value pass sums the value rows weighted by the probabilities. Run one after the other, each pass reads one stream
 // of rows from memory and waits on it. Here the value pass of task i and the key pass of task i + 1 take turns, 16
 // rows each: two streams of rows in flight at once, each row prefetched kPrefetchRows positions before it is read,
-// while the other pass computes. Each task's arithmetic is the same, in the same order, as when it runs alone.
+// in small bursts between the passes' pieces of arithmetic (`burst_rows`). Each task's arithmetic is the same, in the
+// same order, as when it runs alone.
 //
 // The scores (`Scores`): float32 lanes over rows widened as they are read (`scores_of_rows`, attention_rows.h);
 // for a bfloat16 cache with AVX512-BF16, bfloat16 pairs (`scores_of_pairs`, attention_pairs.h); with AMX as well,
@@ -114,12 +115,12 @@ static void finish_keys(Stage<T>& s) {
   }
 }
 
-// out[g] += the value rows [j0, j0 + kValueRows) (those below the length) weighted by their probabilities.
+// out[g] += the value rows [j0, j0 + n) (those below the length, n <= kValueRows) weighted by their probabilities.
 template <typename S, Scores K, typename T>
-static inline void value_rows(const Stage<T>& s, int64_t j0) {
+static inline void value_rows(const Stage<T>& s, int64_t j0, int64_t n) {
   constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
   const Task<T>& t = s.task;
-  const int64_t count = std::min<int64_t>(kValueRows, t.length - j0), dim = t.dim;
+  const int64_t count = std::min<int64_t>(n, t.length - j0), dim = t.dim;
   const T* rows[kValueRows];
   for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
   const float* p = s.scores.data() + (j0 - t.first);
@@ -148,29 +149,44 @@ static inline void prefetch_rows(const T* base, const int64_t* slots, int64_t fr
   for (int64_t j = from; j < std::min(to, length); ++j) prefetch_row<Loc>(base + slots[j] * dim, dim);
 }
 
-// The value pass of `values` and the key pass of `keys` (either may be null), kValueRows rows of each in turn.
-// A stage whose rows are in cache already (`Task::warm`) prefetches nothing.
+// The rows of each stream one burst of prefetches asks for: a power of two from 4 to a turn's (kValueRows), the
+// largest whose rows take at most 1 KiB (16 lines) where one exists. A burst larger than the core's line fill
+// buffers stalls it at the prefetch until lines arrive, with no arithmetic running meanwhile (docs/performance.md,
+// "a sixty-second session").
+template <typename T>
+static inline int64_t burst_rows(int64_t dim) {
+  int64_t rows = kValueRows;
+  while (rows > 4 && rows * dim * static_cast<int64_t>(sizeof(T)) > 1024) rows /= 2;
+  return rows;
+}
+
+// The value pass of `values` and the key pass of `keys` (either may be null), kValueRows rows of each in turn. Each
+// turn prefetches the next kValueRows rows of both streams kPrefetchRows positions ahead, in bursts of `burst_rows`
+// rows: one before the keys' rows, one before each later `burst_rows` of the values' rows. A stage whose rows are in
+// cache already (`Task::warm`) prefetches nothing.
 template <typename S, Scores K, int Loc, typename T>
 static void overlap(const Stage<T>* values, Stage<T>* keys) {
   int64_t jv = values ? values->task.first : 0, jk = keys ? keys->task.first : 0;
   const int64_t nv = values ? values->task.length : 0, nk = keys ? keys->task.length : 0;
   const bool fetch_keys = keys && !keys->task.warm, fetch_values = values && !values->task.warm;
+  const int64_t dim = keys ? keys->task.dim : values ? values->task.dim : 0, burst = burst_rows<T>(dim);
   while (jv < nv || jk < nk) {
-    if (jk < nk) {
-      if (fetch_keys)
-        prefetch_rows<Loc>(keys->task.k, keys->task.slots, jk + kPrefetchRows, jk + kPrefetchRows + kValueRows, nk,
-                           keys->task.dim);
-      const int64_t end = std::min(jk + kValueRows, nk);
-      key_chunk<S, K>(*keys, jk, end);
-      jk = end;
-    }
-    if (jv < nv) {
+    int64_t ahead = kPrefetchRows;
+    const auto fetch = [&] {
+      if (fetch_keys) prefetch_rows<Loc>(keys->task.k, keys->task.slots, jk + ahead, jk + ahead + burst, nk, dim);
       if (fetch_values)
-        prefetch_rows<Loc>(values->task.v, values->task.slots, jv + kPrefetchRows, jv + kPrefetchRows + kValueRows,
-                           nv, values->task.dim);
-      value_rows<S, K>(*values, jv);
-      jv += kValueRows;
+        prefetch_rows<Loc>(values->task.v, values->task.slots, jv + ahead, jv + ahead + burst, nv, dim);
+      ahead += burst;
+    };
+    fetch();
+    const int64_t end = std::min(jk + kValueRows, nk);
+    if (jk < nk) key_chunk<S, K>(*keys, jk, end);
+    for (int64_t r = 0; r < kValueRows; r += burst) {
+      if (r > 0) fetch();
+      if (jv + r < nv) value_rows<S, K>(*values, jv + r, burst);
     }
+    jk = std::max(jk, end);
+    jv += kValueRows;
   }
 }
 
