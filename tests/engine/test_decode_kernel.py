@@ -167,6 +167,34 @@ def test_kernel_attends_a_ragged_batch(kv_heads: int, group: int, dim: int, dtyp
         kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, 1, row_requests + 2 * (row_requests > 1))
 
 
+@pytest.mark.parametrize(("group", "dim"), [(3, 64), (2, 24), (4, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_runs_of_a_requests_rows_equal_each_row_alone(group: int, dim: int, dtype: torch.dtype) -> None:
+    """Consecutive rows of one request with one first position are attended as runs of up to 16 rows
+    (`attention_runs.h`): 37 causal rows (runs of 16, 16 and 5), rows of another request between, rows whose
+    first positions differ (a window: runs of one) and rows of one first position in no order of length. Each
+    row's output is bitwise that row alone, and the reference's within the dtype's tolerance."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(group * dim)
+    keys = (torch.randn(2, 40 * BLOCK, dim, generator=generator) * 2).to(dtype)
+    values = torch.randn(2, 40 * BLOCK, dim, generator=generator).to(dtype)
+    slots = (torch.randperm(40, generator=generator)[:36].view(3, 12, 1) * BLOCK + torch.arange(BLOCK)).view(3, -1)
+    causal = torch.arange(150, 187)
+    lengths = torch.cat([causal, torch.tensor([9, 190]), torch.arange(60, 66), torch.tensor([33, 170, 2, 99])])
+    row_requests = torch.cat([torch.zeros(37, dtype=torch.long), torch.tensor([1, 1]), torch.full((6,), 2),
+                              torch.full((4,), 2)])
+    first = torch.cat([torch.zeros(39, dtype=torch.long), torch.arange(6) + 20, torch.zeros(4, dtype=torch.long)])
+    query = torch.randn(len(lengths), 2 * group, dim, generator=generator).to(dtype)
+    got = kernel(query, keys, values, slots.contiguous(), lengths, first, dim**-0.5, 0.0, 1, row_requests)
+    alone = [kernel(query[r:r + 1], keys, values, slots[int(row_requests[r])][None].contiguous(), lengths[r:r + 1],
+                    first[r:r + 1], dim**-0.5, 0.0, 1) for r in range(len(lengths))]
+    assert torch.equal(got, torch.cat(alone))
+    expected = reference(query, keys, values, slots[row_requests], lengths, first, dim**-0.5, 0.0)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_output_does_not_depend_on_the_threads(dtype: torch.dtype) -> None:
     """A step mixing decode rows with a prefill chunk's rows is cut into chunks by cost and the threads take them in

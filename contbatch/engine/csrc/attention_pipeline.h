@@ -208,23 +208,4 @@ static inline void finish_values(const Stage<T>& s) {
   }
 }
 
-// A thread's tasks through the pipeline: `next(t)` sets t to each task in turn, and returns false when there are no
-// more.
-template <typename S, Scores K, int Loc, typename T, typename Next>
-static void pipeline(Next next) {
-  Stage<T> stages[2];
-  Stage<T>* pending = nullptr;
-  Task<T> t;
-  for (int at = 0; next(t); at ^= 1) {
-    Stage<T>& s = stages[at];
-    begin_keys<K>(s, t);
-    overlap<S, K, Loc>(pending, &s);
-    if (pending) finish_values<K>(*pending);
-    finish_keys(s);
-    pending = &s;
-  }
-  if (pending == nullptr) return;
-  overlap<S, K, Loc, T>(pending, nullptr);
-  finish_values<K>(*pending);
-}
 #endif

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "attention_pipeline.h"
+#include "attention_runs.h"
 #include "attention_task.h"
 
 static std::atomic<int64_t> prefetch_level{1};
@@ -108,31 +109,35 @@ static inline bool follows_its_request(const int64_t* request, const int64_t* le
 // cost model below is a guess). Elsewhere one a thread.
 constexpr int64_t kChunksPerThread = 8;
 
-// The bounds of contiguous ranges of [0, batch * kv_heads) tasks with about equal work each: one a thread, or
-// kChunksPerThread a thread in a mixed step (rows alone of their request, decode rows, beside rows reading from
-// cache). A row's work is the positions it reads plus a constant, kColdWeight times the positions for a row whose
-// keys and values come from memory (a decode row; a prefill chunk's first row), not from the cache its request's
-// previous row left them in: a mixed step would otherwise leave the thread with the decode rows behind.
+// The bounds of contiguous ranges of the [0, runs * kv_heads) units (a run of rows, `row_runs`, for one kv head) with
+// about equal work each: one a thread, or kChunksPerThread a thread in a mixed step (rows alone of their request,
+// decode rows, beside rows reading from cache). A row's work is the positions it reads plus a constant, kColdWeight
+// times the positions for a row whose keys and values come from memory (a decode row; a prefill chunk's first row),
+// not from the cache its request's previous row left them in: a mixed step would otherwise leave the thread with the
+// decode rows behind.
 static std::vector<int64_t> balanced_chunks(const int64_t* length, const int64_t* start, const int64_t* request,
-                                            int64_t batch, int64_t kv_heads, int64_t bytes_per_position,
-                                            int64_t threads) {
+                                            const std::vector<int64_t>& runs, int64_t kv_heads,
+                                            int64_t bytes_per_position, int64_t threads) {
   constexpr int64_t kTaskCost = 16, kColdWeight = 4;
-  std::vector<int64_t> cost(batch + 1, 0);
+  const int64_t batch = runs.back(), count = static_cast<int64_t>(runs.size()) - 1;
+  std::vector<int64_t> cost(count + 1, 0);
   int64_t warm_rows = 0, lone_rows = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t positions = length[b] - start[b];
-    const bool warm = follows_its_request(request, length, start, b, bytes_per_position);
-    warm_rows += warm;
-    lone_rows += !warm && (b + 1 == batch || request[b + 1] != request[b]);
-    cost[b + 1] = cost[b] + positions * (warm ? 1 : kColdWeight) + kTaskCost;
+  for (int64_t i = 0; i < count; ++i) {
+    cost[i + 1] = cost[i];
+    for (int64_t b = runs[i]; b < runs[i + 1]; ++b) {
+      const bool warm = follows_its_request(request, length, start, b, bytes_per_position);
+      warm_rows += warm;
+      lone_rows += !warm && (b + 1 == batch || request[b + 1] != request[b]);
+      cost[i + 1] += (length[b] - start[b]) * (warm ? 1 : kColdWeight) + kTaskCost;
+    }
   }
   const bool mixed = warm_rows > 0 && lone_rows > 0;
-  const int64_t chunks = std::max<int64_t>(1, std::min(batch, mixed ? threads * kChunksPerThread : threads));
-  std::vector<int64_t> bounds(chunks + 1, batch * kv_heads);
+  const int64_t chunks = std::max<int64_t>(1, std::min(count, mixed ? threads * kChunksPerThread : threads));
+  std::vector<int64_t> bounds(chunks + 1, count * kv_heads);
   bounds[0] = 0;
-  for (int64_t p = 1, b = 0; p < chunks; ++p) {
-    while (b < batch && cost[b + 1] * chunks <= cost[batch] * p) ++b;
-    bounds[p] = b * kv_heads;
+  for (int64_t p = 1, i = 0; p < chunks; ++p) {
+    while (i < count && cost[i + 1] * chunks <= cost[count] * p) ++i;
+    bounds[p] = i * kv_heads;
   }
   return bounds;
 }
@@ -147,46 +152,51 @@ static void attend_tasks(const T* q, int64_t q_row_stride, int64_t q_head_stride
   const int64_t bytes_per_position = dim * static_cast<int64_t>(2 * sizeof(T));
   std::vector<int64_t> request(batch);
   for (int64_t b = 0; b < batch; ++b) request[b] = row_requests ? row_requests[b] : b / queries_per_request;
-  const auto bounds = balanced_chunks(length, start, request.data(), batch, kv_heads, bytes_per_position, threads);
+  const auto runs = row_runs(request.data(), start, batch);
+  const auto bounds = balanced_chunks(length, start, request.data(), runs, kv_heads, bytes_per_position, threads);
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    int64_t chunk = next_chunk++, task = chunk < chunks ? bounds[chunk] : 0;
-    const auto next = [&](Task<T>& t) {
-      while (chunk < chunks && task >= bounds[chunk + 1]) {
+    int64_t chunk = next_chunk++, unit = chunk < chunks ? bounds[chunk] : 0;
+    const auto next = [&](std::vector<Task<T>>& tasks) -> int64_t {
+      while (chunk < chunks && unit >= bounds[chunk + 1]) {
         chunk = next_chunk++;
-        if (chunk < chunks) task = bounds[chunk];
+        if (chunk < chunks) unit = bounds[chunk];
       }
-      if (chunk >= chunks) return false;
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const bool warm = task - kv_heads >= bounds[chunk] &&
-                        follows_its_request(request.data(), length, start, b, bytes_per_position);
-      t = Task<T>{q + b * q_row_stride + h * group * q_head_stride, q_head_stride, k + h * num_slots * dim,
-                  v + h * num_slots * dim, slot + request[b] * max_len, start[b], length[b], group, dim, scale,
-                  softcap, out + (b * heads + h * group) * dim, sinks ? sinks + h * group : nullptr, warm,
-                  nullptr, nullptr};
-      ++task;
-      return true;
+      if (chunk >= chunks) return 0;
+      const int64_t run = unit / kv_heads, h = unit % kv_heads, b0 = runs[run];
+      for (int64_t b = b0; b < runs[run + 1]; ++b) {
+        const bool warm = b > b0 || (unit - kv_heads >= bounds[chunk] &&
+                                     follows_its_request(request.data(), length, start, b, bytes_per_position));
+        tasks[b - b0] = Task<T>{q + b * q_row_stride + h * group * q_head_stride, q_head_stride,
+                                k + h * num_slots * dim, v + h * num_slots * dim, slot + request[b] * max_len,
+                                start[b], length[b], group, dim, scale, softcap, out + (b * heads + h * group) * dim,
+                                sinks ? sinks + h * group : nullptr, warm, nullptr, nullptr};
+      }
+      ++unit;
+      return runs[run + 1] - b0;
     };
 #ifdef CONTBATCH_TILES
     if constexpr (std::is_same_v<T, c10::BFloat16>)
       if (dim % kPairWidth == 0 && group <= kTileRows && tiles_permitted()) {
         const TileScope tiles(group);
-        return pipeline<Lanes16, Scores::kTiles, Loc, T>(next);
+        return attend_all<Lanes16, Scores::kTiles, Loc, T>(next);
       }
 #endif
 #ifdef CONTBATCH_PAIRS
     if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (dim % kPairWidth == 0) return pipeline<Lanes16, Scores::kPairs, Loc, T>(next);
+      if (dim % kPairWidth == 0) return attend_all<Lanes16, Scores::kPairs, Loc, T>(next);
 #endif
 #ifdef CONTBATCH_AVX512
-    if (dim % 16 == 0) return pipeline<Lanes16, Scores::kLanes, Loc, T>(next);
+    if (dim % 16 == 0) return attend_all<Lanes16, Scores::kLanes, Loc, T>(next);
 #endif
 #ifdef CONTBATCH_AVX2
-    if (dim % 8 == 0) return pipeline<Lanes8, Scores::kLanes, Loc, T>(next);
+    if (dim % 8 == 0) return attend_all<Lanes8, Scores::kLanes, Loc, T>(next);
 #endif
     std::vector<float> scores, acc, query;
-    for (Task<T> t; next(t);) attend_scalar<Loc>(t, scores, acc, query);
+    std::vector<Task<T>> tasks(kRunRows);
+    for (int64_t count; (count = next(tasks)) > 0;)
+      for (int64_t r = 0; r < count; ++r) attend_scalar<Loc>(tasks[r], scores, acc, query);
   });
 }
 

@@ -1,0 +1,90 @@
+// Runs of rows for contbatch's CPU attention (decode_attention.cpp): up to kRunRows consecutive query rows of one
+// request with the same first position (a prefill chunk's causal rows), taken together for one kv head.
+//
+// Alone, each such row reads all of its request's key and value rows, so a chunk of R rows streams them R times from
+// L2 or memory. A run takes each 16 positions for every row in turn: the key pass of every row over those positions,
+// then each row's softmax, then the value pass likewise, so each key and value row leaves L2 (or memory) once for the
+// run and the other rows read it from L1. Each row's arithmetic is that of its task alone: the same blocks of
+// positions, in the same order, through the same kernels, so the outputs are the same bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "attention_pipeline.h"
+
+constexpr int64_t kRunRows = 16;
+
+// The bounds of the runs of rows [0, batch): row b starts a new run unless it is of the request of row b - 1, with
+// its first position, and that run has fewer than kRunRows rows.
+static inline std::vector<int64_t> row_runs(const int64_t* request, const int64_t* start, int64_t batch) {
+  std::vector<int64_t> bounds{0};
+  for (int64_t b = 1; b < batch; ++b)
+    if (request[b] != request[b - 1] || start[b] != start[b - 1] || b - bounds.back() >= kRunRows)
+      bounds.push_back(b);
+  bounds.push_back(batch);
+  return bounds;
+}
+
+#ifdef CONTBATCH_AVX2
+// The tasks tasks[0, count) of one run (one kv head, the same slots and first position) attended together; only the
+// first task's `warm` decides whether the run prefetches its rows. `stages` holds at least `count` stages.
+template <typename S, Scores K, int Loc, typename T>
+static void attend_run(std::vector<Stage<T>>& stages, const std::vector<Task<T>>& tasks, int64_t count) {
+  int64_t longest = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    begin_keys<K>(stages[r], tasks[r]);
+    longest = std::max(longest, tasks[r].length);
+  }
+  const Task<T>& lead = tasks[0];
+  const bool fetch = !lead.warm;
+  for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {
+    if (fetch) prefetch_rows<Loc>(lead.k, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueRows, longest,
+                                  lead.dim);
+    for (int64_t r = 0; r < count; ++r)
+      if (j0 < tasks[r].length) key_chunk<S, K>(stages[r], j0, std::min(j0 + kValueRows, tasks[r].length));
+  }
+  for (int64_t r = 0; r < count; ++r) finish_keys(stages[r]);
+  for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {
+    if (fetch) prefetch_rows<Loc>(lead.v, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueRows, longest,
+                                  lead.dim);
+    for (int64_t r = 0; r < count; ++r)
+      if (j0 < tasks[r].length) value_rows<S, K>(stages[r], j0, kValueRows);
+  }
+  for (int64_t r = 0; r < count; ++r) finish_values<K>(stages[r]);
+}
+
+// A thread's work: `next(tasks)` fills `tasks` with the next run's tasks (one kv head) and returns how many, 0 when
+// there are no more. A run of one row goes through the pipeline (its value pass beside the next one's key pass);
+// a longer run, after the pipeline's pending task is done, through `attend_run`.
+template <typename S, Scores K, int Loc, typename T, typename Next>
+static void attend_all(Next next) {
+  Stage<T> stages[2];
+  Stage<T>* pending = nullptr;
+  std::vector<Stage<T>> run_stages(kRunRows);
+  std::vector<Task<T>> tasks(kRunRows);
+  const auto drain = [&] {
+    if (pending == nullptr) return;
+    overlap<S, K, Loc, T>(pending, nullptr);
+    finish_values<K>(*pending);
+    pending = nullptr;
+  };
+  for (int at = 0;;) {
+    const int64_t count = next(tasks);
+    if (count == 0) break;
+    if (count > 1) {
+      drain();
+      attend_run<S, K, Loc>(run_stages, tasks, count);
+      continue;
+    }
+    Stage<T>& s = stages[at];
+    at ^= 1;
+    begin_keys<K>(s, tasks[0]);
+    overlap<S, K, Loc>(pending, &s);
+    if (pending) finish_values<K>(*pending);
+    finish_keys(s);
+    pending = &s;
+  }
+  drain();
+}
+#endif
