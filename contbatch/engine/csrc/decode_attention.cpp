@@ -5,9 +5,11 @@
 // either way, and a bfloat16 query's output is rounded to bfloat16 once, at the end.
 //
 // The kernel reads each request's keys and values straight from the paged cache (no gathered copy), one task per
-// (query row, kv head), the query heads of a GQA group sharing every key and value row they read; the tasks are cut
-// into contiguous ranges of about equal work, one a thread, or several a thread, taken in turn by whichever thread
-// is free, in a step mixing decode rows with a prefill chunk's (`balanced_chunks`).
+// (query row, kv head), the query heads of a GQA group sharing every key and value row they read. A request's
+// consecutive rows of one first position (a prefill chunk's) are taken up to 16 at a time for a kv head, each key and
+// value row read once for them (attention_runs.h). The work is cut into contiguous ranges of about equal work, one a
+// thread, or several a thread, taken in turn by whichever thread is free, in a step mixing decode rows with a prefill
+// chunk's (`balanced_chunks`).
 //
 // With AVX2 + FMA (8 lanes) or AVX-512 (16 lanes, where head_dim is a multiple of 16), a task makes two passes: the
 // first computes every score, then an exact softmax over them (exp as a vector polynomial); the second sums the value
