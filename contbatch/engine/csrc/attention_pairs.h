@@ -65,7 +65,7 @@ static inline void scores_of_pairs(const Task<c10::BFloat16>& t, const c10::BFlo
 // out[g][c, c + 32 CN) (in pair order) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + 32 CN),
 // g < GN: the GN x 2 CN output vectors stay in registers over the rows, each row is loaded once.
 template <int GN, int CN>
-static void accumulate_pair_columns(const float* probs, int64_t stride, const c10::BFloat16* const* vr,
+static CONTBATCH_INLINE void accumulate_pair_columns(const float* probs, int64_t stride, const c10::BFloat16* const* vr,
                                     int64_t count, int64_t dim, int64_t c, float* out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 a[GN][2 * CN];
@@ -90,7 +90,7 @@ static void accumulate_pair_columns(const float* probs, int64_t stride, const c1
 
 // accumulate_pair_columns over every column of the GN output rows, CN registers of pairs at a time.
 template <int GN, int CN>
-static void accumulate_pairs(const float* probs, int64_t stride, const c10::BFloat16* const* vr, int64_t count,
+static CONTBATCH_INLINE void accumulate_pairs(const float* probs, int64_t stride, const c10::BFloat16* const* vr, int64_t count,
                              int64_t dim, float* out) {
   int64_t c = 0;
   for (; c + kPairWidth * CN <= dim; c += kPairWidth * CN)
@@ -100,7 +100,7 @@ static void accumulate_pairs(const float* probs, int64_t stride, const c10::BFlo
 
 // accumulate_pairs for each group of up to 4 of the task's query heads, over the value rows vr[0, count) weighted by
 // probs[g * stride + i]; the task's output in pair order.
-static inline void weigh_pairs(const Task<c10::BFloat16>& t, const float* probs, int64_t stride,
+static CONTBATCH_INLINE void weigh_pairs(const Task<c10::BFloat16>& t, const float* probs, int64_t stride,
                                const c10::BFloat16* const* vr, int64_t count) {
   for (int64_t g = 0; g < t.group; g += 4) {
     float* out = t.out + g * t.dim;

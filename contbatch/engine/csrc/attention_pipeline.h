@@ -87,7 +87,7 @@ static inline void key_rows(Stage<T>& s, int64_t j0) {
 
 // The scores of the stage's positions [j0, end), end - j0 <= kValueRows.
 template <typename S, Scores K, typename T>
-static inline void key_chunk(Stage<T>& s, int64_t j0, int64_t end) {
+static CONTBATCH_INLINE void key_chunk(Stage<T>& s, int64_t j0, int64_t end) {
 #ifdef CONTBATCH_TILES
   if constexpr (K == Scores::kTiles) {
     const Task<T>& t = s.task;
@@ -117,7 +117,7 @@ static void finish_keys(Stage<T>& s) {
 
 // out[g] += the value rows [j0, j0 + n) (those below the length, n <= kValueRows) weighted by their probabilities.
 template <typename S, Scores K, typename T>
-static inline void value_rows(const Stage<T>& s, int64_t j0, int64_t n) {
+__attribute__((noinline)) static void value_rows(const Stage<T>& s, int64_t j0, int64_t n) {
   constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
   const Task<T>& t = s.task;
   const int64_t count = std::min<int64_t>(n, t.length - j0), dim = t.dim;

@@ -9,6 +9,11 @@
 // kPrefetchAhead positions before it is read (prefetching changes no arithmetic).
 constexpr int64_t kPrefetchAhead = 8;
 
+// For the kernels of a few rows' arithmetic that every pass calls: inlined wherever called, whatever the number of
+// callers (a kernel left out of line measured 8% slower on bfloat16 decode rows, docs/performance.md, "a sixty-second
+// session").
+#define CONTBATCH_INLINE inline __attribute__((always_inline))
+
 // Loc: __builtin_prefetch's locality, 3 for L1, 2 for L2; 0: no prefetch, for rows in cache already (a prefill
 // chunk's rows after its first: prefetch instructions cost issue slots, and prefetching rows in cache made the
 // kernel a quarter slower there, docs/performance.md, "a fifty-seventh session").
