@@ -65,8 +65,9 @@ static inline void scores_of_pairs(const Task<c10::BFloat16>& t, const c10::BFlo
 // out[g][c, c + 32 CN) (in pair order) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + 32 CN),
 // g < GN: the GN x 2 CN output vectors stay in registers over the rows, each row is loaded once.
 template <int GN, int CN>
-static CONTBATCH_INLINE void accumulate_pair_columns(const float* probs, int64_t stride, const c10::BFloat16* const* vr,
-                                    int64_t count, int64_t dim, int64_t c, float* out) {
+static CONTBATCH_INLINE void accumulate_pair_columns(const float* probs, int64_t stride,
+                                                     const c10::BFloat16* const* vr, int64_t count, int64_t dim,
+                                                     int64_t c, float* out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 a[GN][2 * CN];
   for (int g = 0; g < GN; ++g)
@@ -90,8 +91,8 @@ static CONTBATCH_INLINE void accumulate_pair_columns(const float* probs, int64_t
 
 // accumulate_pair_columns over every column of the GN output rows, CN registers of pairs at a time.
 template <int GN, int CN>
-static CONTBATCH_INLINE void accumulate_pairs(const float* probs, int64_t stride, const c10::BFloat16* const* vr, int64_t count,
-                             int64_t dim, float* out) {
+static CONTBATCH_INLINE void accumulate_pairs(const float* probs, int64_t stride, const c10::BFloat16* const* vr,
+                                              int64_t count, int64_t dim, float* out) {
   int64_t c = 0;
   for (; c + kPairWidth * CN <= dim; c += kPairWidth * CN)
     accumulate_pair_columns<GN, CN>(probs, stride, vr, count, dim, c, out);
@@ -101,7 +102,7 @@ static CONTBATCH_INLINE void accumulate_pairs(const float* probs, int64_t stride
 // accumulate_pairs for each group of up to 4 of the task's query heads, over the value rows vr[0, count) weighted by
 // probs[g * stride + i]; the task's output in pair order.
 static CONTBATCH_INLINE void weigh_pairs(const Task<c10::BFloat16>& t, const float* probs, int64_t stride,
-                               const c10::BFloat16* const* vr, int64_t count) {
+                                         const c10::BFloat16* const* vr, int64_t count) {
   for (int64_t g = 0; g < t.group; g += 4) {
     float* out = t.out + g * t.dim;
     const float* pg = probs + g * stride;

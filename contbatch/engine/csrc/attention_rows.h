@@ -80,8 +80,8 @@ static inline void scores_of_rows(const Task<T>& t, const T* const* kr, int64_t 
 // out[g][c, c + W CN) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + W CN), g < GN: the
 // GN x CN output vectors stay in registers over the rows (independent FMA chains), each row is loaded once.
 template <typename S, int GN, int CN, typename T>
-static CONTBATCH_INLINE void accumulate_columns(const float* probs, int64_t stride, const T* const* vr, int64_t count,
-                               int64_t dim, int64_t c, float* out) {
+static CONTBATCH_INLINE void accumulate_columns(const float* probs, int64_t stride, const T* const* vr,
+                                                int64_t count, int64_t dim, int64_t c, float* out) {
   typename S::V a[GN][CN];
   for (int g = 0; g < GN; ++g)
     for (int k = 0; k < CN; ++k) a[g][k] = S::load(out + g * dim + c + S::kWidth * k);
@@ -99,8 +99,8 @@ static CONTBATCH_INLINE void accumulate_columns(const float* probs, int64_t stri
 
 // accumulate_columns over every column of the GN output rows, CN vectors at a time.
 template <typename S, int GN, int CN, typename T>
-static CONTBATCH_INLINE void accumulate_values(const float* probs, int64_t stride, const T* const* vr, int64_t count,
-                              int64_t dim, float* out) {
+static CONTBATCH_INLINE void accumulate_values(const float* probs, int64_t stride, const T* const* vr,
+                                               int64_t count, int64_t dim, float* out) {
   int64_t c = 0;
   for (; c + S::kWidth * CN <= dim; c += S::kWidth * CN)
     accumulate_columns<S, GN, CN>(probs, stride, vr, count, dim, c, out);

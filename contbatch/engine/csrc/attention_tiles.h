@@ -87,8 +87,8 @@ static inline bool rows_follow(const int64_t* slots, int64_t j0) {
 // The scores of 16 positions whose key rows start at `keys` (rows `dim` apart) for each query head, scaled (and soft
 // capped), at out + g * stride.
 template <typename T>
-static CONTBATCH_INLINE void tile_scores16(const Task<T>& t, const c10::BFloat16* keys, const c10::BFloat16* query, float* out,
-                                 int64_t stride) {
+static CONTBATCH_INLINE void tile_scores16(const Task<T>& t, const c10::BFloat16* keys, const c10::BFloat16* query,
+                                           float* out, int64_t stride) {
   alignas(64) float sums[kTileRows * 16];
   _tile_zero(0);
   for (int64_t c = 0; c < t.dim; c += 32) {
