@@ -95,7 +95,8 @@ class LLMEngine:
         paths = engine_compile_paths(config, self.generation_config)
         self.model_runner = ModelRunner(model, self.cache, paths, resolve_graph_settings(
             config.use_cuda_graph, config.q_padding_interval_size, config.kv_padding_interval_size,
-            config.max_cached_graphs, device, paths.get("decode")), renumbered=probe.renumbered)
+            config.max_cached_graphs, device, paths.get("decode")), renumbered=probe.renumbered,
+            step_rows=max_batch_tokens)
         self.sampler = self.model_runner.sampler
         self.beam_search = BeamSearch(self.scheduler)
         self.device = device

@@ -75,10 +75,13 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache,
                  compile_paths: dict[str, CompileConfig] | None = None, graphs: GraphSettings | None = None,
-                 graph_backend: GraphBackend | None = None, renumbered: Collection[int] = ()) -> None:
+                 graph_backend: GraphBackend | None = None, renumbered: Collection[int] = (),
+                 step_rows: int = 0) -> None:
         """`renumbered`: the layers where the engine's probing forward saw the model tell equal tokens at one
-        position apart (`kv_probe.LayerProbe`); the first forward refuses such a model (`check_numbering`)."""
+        position apart (`kv_probe.LayerProbe`); the first forward refuses such a model (`check_numbering`).
+        `step_rows`: the rows of a full step (the scheduler's token budget; `packed_forward`)."""
         self.model = model
+        self.step_rows = step_rows
         self.renumbered = frozenset(renumbered)
         self.cache = cache
         self.compiled = shared_compiled_forward(model, compile_paths) if compile_paths else None
@@ -179,7 +182,7 @@ class ModelRunner:
             check_numbering(self.model, self.renumbered)
         metadata.attended.clear()
         published = metadata if compiled is None else COMPILED_MARKER
-        with (paged_forward(published), nullcontext() if frozen else packed_forward(self.model),
+        with (paged_forward(published), nullcontext() if frozen else packed_forward(self.model, self.step_rows),
               fused_forward(self.model) if fused else nullcontext(), reusing_logits(fused and screen_allowed())):
             if compiled is not None:
                 with step_metadata(metadata):

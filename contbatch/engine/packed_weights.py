@@ -1,31 +1,23 @@
 """The model's linear layers over prepacked weights, for contbatch's CPU forwards (float32 and bfloat16).
 
-On CPU, float32, `F.linear` (MKL) runs the products of a decode step well below the machine's GEMM rate. Where
-the CPU kernels are built with AVX2 + FMA (`cpu_kernels.panel_gemm`), each layer's weight is packed once into
-16-column panels and its products run through that kernel: 1.3-1.7x oneDNN's prepacked product at the 32 rows of
-a serving decode step, 1.1x at 128 (docs/performance.md). Each row's result is one FMA chain over k, independent
-of the other rows. The vocabulary projection (LM head), and the layers where the panel kernel is not built, are
-reordered once into oneDNN's blocked layout: 1.4-2.9x `F.linear` for the head at every batch size (where oneDNN
-also beats the panel kernel from about 128 rows), 1.1-1.5x for the layers at decode sizes. At a few hundred rows
-and more (prefill chunks) the panels lose their lead for the layers, so a layer's product takes its packed copy
-only up to `LAYER_MAX_ROWS` rows and oneDNN over the plain weight above (1.1-1.2x MKL's `F.linear` on a Zen 3,
-with no second copy); the head takes its packed copy always (a head whose output would be a
-fresh mapping, in row chunks, or for a large vocabulary in column slices: `head_product`). Where ATen runs AVX-512
-(`cpu_has_avx512`), MKL runs 2-3x below oneDNN's prepacked product at every row count (on an AVX-512 AMD EPYC), and
-the layers take the panel kernel's AVX-512 tiles at every row count (`wide_panels`: 1.1-1.3x oneDNN at decode sizes,
-as fast at 512 rows), or oneDNN's copy where the kernel lacks them; on an Intel CPU, where MKL is fast
-(`mkl_is_fast`), the tiles only up to `LAYER_MAX_ROWS` rows and MKL's `F.linear` above.
+Float32. Where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.panel_gemm`), each layer's weight is packed
+once into 16-column panels and its decode-size products run through that kernel (1.3-1.7x oneDNN's prepacked
+product at 32 rows, 1.1x at 128); each row's result is one FMA chain over k, independent of the other rows. The
+output head, and the layers where the panel kernel is not built, are reordered once into oneDNN's blocked layout
+(1.4-2.9x `F.linear` for the head). Past `LAYER_MAX_ROWS` rows (prompt chunks) a layer's product is over its plain
+weight (`mkl_products`: oneDNN's, 1.1-1.2x MKL's on a Zen 3; on Intel, `mkl_is_fast`, MKL's, for a full prompt
+step over MKL's own copy packed for its rows); the head takes its packed copy always (in row chunks or column
+slices where its output is large: `head_product`). Where ATen runs AVX-512 (`cpu_has_avx512`) the layers take the
+kernel's AVX-512 tiles (`wide_panels`) or oneDNN's copy at every row count, as MKL runs 2-3x below oneDNN on AMD;
+on Intel the tiles only up to `LAYER_MAX_ROWS` rows (docs/performance.md).
 
-Where the CPU lacks bfloat16 arithmetic (no AVX512-BF16 or AMX: oneDNN's bfloat16 products are not available,
-`torch.ops.mkldnn._is_mkldnn_bf16_supported()`), `F.linear` in bfloat16 runs at about a seventh of the float32
-rate. Every bfloat16 linear, the head included, then runs through the panel kernel at every row count: bfloat16
-panels widened to float32 as they are read, float32 FMAs, the result rounded to bfloat16 once, at the rate of the
-float32 kernel with half its weight traffic. Where the CPU has AVX512-BF16 but no AMX and the kernel is built with
-it (`pair_panels`), the bfloat16 layers take the kernel's pair tiles (`vdpbf16ps` over bfloat16 panels in k pairs)
-at every row count: on a Zen 5, 1.15x oneDNN's bfloat16 product at 128 rows, 1.3x at 16-64. With AMX the layers
-take AMX blocks up to `AMX_MAX_ROWS` rows (`amx_panels`: oneDNN's micro-kernel without its per-call work) and
-`F.linear` above. The head, and layers of an odd K, take oneDNN's bfloat16 product over a prepacked copy at every
-row count: 1.1-1.6x `F.linear` in bfloat16, which reorders the weight each call (performance.md, "a sixteenth session").
+bfloat16. Where the CPU lacks bfloat16 arithmetic (`torch.ops.mkldnn._is_mkldnn_bf16_supported()` false:
+`F.linear` runs at about a seventh of the float32 rate), every bfloat16 linear, the head included, runs through the
+panel kernel: bfloat16 panels widened to float32 as they are read, the result rounded once. Where the CPU has
+AVX512-BF16 but no AMX (`pair_panels`), the layers take the kernel's pair tiles (`vdpbf16ps`; on a Zen 5 1.15x
+oneDNN at 128 rows, 1.3x at 16-64); with AMX, AMX blocks up to `AMX_MAX_ROWS` rows (`amx_panels`: oneDNN's
+micro-kernel without its per-call work) and `F.linear` above. The head, and layers of an odd K, take oneDNN's
+product over a prepacked copy (1.1-1.6x `F.linear`, which reorders the weight each call).
 
 `packed_forward(model)` puts a `PackedLinear` in the place of each `nn.Linear` of the model (the output head
 through `set_output_embeddings`, the others as attributes of their parent module) for the duration of one of
@@ -37,11 +29,10 @@ covers writes that bypass the version counter). A compiled forward calls a layer
 `contbatch_native::layer_product` (`layer_op`) where the kernels are built, else, and for the head, as the opaque
 Python op `contbatch::packed_linear`.
 
-The copies cost memory: the head's always, the layers' (about the model's size) only when they fit in
-`LAYER_MEMORY_SHARE` of the machine's memory (`pending_packed_bytes` says how much, for the KV cache's
-sizing).
-`CONTBATCH_PACK_WEIGHTS=head` packs only the head, `CONTBATCH_PACK_WEIGHTS=0` nothing; `CONTBATCH_PANEL_GEMM=0`
-keeps oneDNN where the panel kernel would run.
+The copies cost memory: the head's always, the layers' (about the model's size; twice that with MKL's copies)
+only when they fit in `LAYER_MEMORY_SHARE` of the machine's memory (`pending_packed_bytes` says how much, for the
+KV cache's sizing). `CONTBATCH_PACK_WEIGHTS=head` packs only the head, `CONTBATCH_PACK_WEIGHTS=0` nothing;
+`CONTBATCH_PANEL_GEMM=0` keeps oneDNN where the panel kernel would run.
 """
 
 from __future__ import annotations
@@ -59,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contbatch.engine import cpu_kernels, layer_op
+from contbatch.engine import cpu_kernels, layer_op, mkl_products
 from contbatch.engine.cpu_features import cpu_has_amx, cpu_has_avx512, cpu_has_bf16, mkl_is_fast
 from contbatch.engine.cpu_kernels import PanelLinear, amx_panels, pack_layer, pair_panels, panel_gemm, wide_panels
 from contbatch.engine.head_product import SlicedHead, chunked_product, pack_slices, sliced_product, slices_head
@@ -73,10 +64,8 @@ AMX_MAX_ROWS = 512
 Xeon at 512 rows the blocks ran 1.0-1.15x `F.linear`, at 2,048 rows 0.77-0.89x (docs/performance.md, "a sixtieth
 session")."""
 PANEL_MAX_WEIGHT = 3 << 20
-"""Float32 weights with this many elements or more go through oneDNN where ATen runs AVX-512. On a Zen 5, 32
-distinct weights at 128 rows: Qwen2-0.5B's MLP (4,864 x 896) ran at 404 / 369 GFLOP/s in panels against 455 / 443
-through oneDNN; its decode steps took 290 against 301-318 ms at 128 rows and 92 against 97 at 32, and whole runs
-made 309 against 281 tok/s. SmolLM2-360M's MLP (2,560 x 960) measured the same either way; the embedded model's
+"""Float32 weights with this many elements or more go through oneDNN where ATen runs AVX-512: on a Zen 5,
+Qwen2-0.5B's MLP (4,864 x 896) ran 1.1x as fast that way, whole runs 309 against 281 tok/s; the embedded model's
 weights (at most 1,536 x 576) run faster in panels (docs/performance.md, "a thirty-second session")."""
 LAYER_MEMORY_SHARE = 0.1
 PLAN_ATTRIBUTE = "_contbatch_packed_plan"
@@ -89,7 +78,7 @@ _modules: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDi
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
                    max_rows: int, panels: bool) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: over the plain weight when `x` has more than `max_rows` rows (0: no limit;
-    `_unpacked_product`), else through the packed copy of `weight` registered under `handle` (by
+    `mkl_products.large_product`), else through the packed copy of `weight` registered under `handle` (by
     `PackedLinear.refresh`, which the caller ran before the forward): by the panel kernel when `panels` asks for
     it and it is built, else by oneDNN (the layout `refresh` packed in by the same rule). For an output head in a
     step that asked for greedy tokens only, the head screen's placeholder instead (`head_screen.screened_product`).
@@ -107,7 +96,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
     (`head_product`)."""
     rows = math.prod(x.shape[:-1])
     if max_rows and rows > max_rows:
-        return _unpacked_product(x, weight, bias)
+        return mkl_products.large_product(x, weight, bias, handle)
     packed = _packed[handle]
     if isinstance(packed, SlicedHead):
         return sliced_product(x.reshape(rows, x.shape[-1]), packed, bias, weight.shape[0]).view(
@@ -127,16 +116,6 @@ def _panel_call(gemm: PanelLinear, x: torch.Tensor, panels: torch.Tensor, out_fe
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = gemm(rows, panels, out_features, None if bias is None else bias.contiguous())
     return out.view(*x.shape[:-1], out_features)
-
-
-def _unpacked_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A layer's product above its `max_rows`: `F.linear` where MKL is fast (`mkl_is_fast`), else oneDNN's over the
-    plain float32 weight (reordered at each call; on a Zen 3 at 512 rows 1.1-1.2x MKL's, whose AMD path is slower,
-    docs/performance.md, "a thirty-sixth session"), and `F.linear` for other dtypes."""
-    if (x.dtype == torch.float32 and weight.is_contiguous() and torch.backends.mkldnn.is_available()
-            and not mkl_is_fast()):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
@@ -215,6 +194,7 @@ class PackedLinear(nn.Module):
                                     else torch.ops.mkldnn._reorder_linear_weight(detached, None))
             self._packed_from = source
             forget_screen(self.handle)
+            mkl_products.weight_changed(self.handle)
             gemm, packed = panel_gemm() if panels else None, _packed[self.handle]
             self._direct = (None if gemm is None or self.handle in _heads or not isinstance(packed, torch.Tensor)
                             else (gemm, packed, weight.shape[0], self.max_rows or -1))
@@ -261,6 +241,7 @@ class PackedLinear(nn.Module):
 
 def _forget_handle(handle: int) -> None:
     layer_op.forget(handle)
+    mkl_products.forget(handle)
     _packed.pop(handle, None)
     _heads.discard(handle)
     forget_screen(handle)
@@ -278,12 +259,19 @@ def _layer_sites(model: nn.Module, head: nn.Module | None) -> list[tuple[nn.Modu
 
 
 def _packs_layers(sites: list[tuple[nn.Module, str, nn.Linear]]) -> bool:
-    """Whether the layers' copies are made: not `CONTBATCH_PACK_WEIGHTS=head`, and their bytes within
-    `LAYER_MEMORY_SHARE` of the machine's memory."""
-    if _setting() == "head":
-        return False
-    size = sum(linear.weight.nbytes for _, _, linear in sites)
-    return size <= LAYER_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Whether the layers' copies are made: not `CONTBATCH_PACK_WEIGHTS=head`, and within `LAYER_MEMORY_SHARE`."""
+    return _setting() != "head" and _fits(sum(linear.weight.nbytes for _, _, linear in sites))
+
+
+def _fits(nbytes: int) -> bool:  # within `LAYER_MEMORY_SHARE` of the machine's memory
+    return nbytes <= LAYER_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _mkl_copies(linears: list[nn.Linear]) -> list[nn.Linear]:
+    """The layers among `linears` (all packed) with MKL copies for full prompt steps (`mkl_products`), when those
+    fit beside the packed ones in `LAYER_MEMORY_SHARE`."""
+    chosen = [linear for linear in linears if _layer_kind(linear)[0] and mkl_products.applies(linear.weight)]
+    return chosen if _fits(2 * sum(linear.weight.nbytes for linear in linears)) else []
 
 
 def pending_packed_bytes(model: nn.Module) -> int:
@@ -292,14 +280,16 @@ def pending_packed_bytes(model: nn.Module) -> int:
     head = _output_head(model)
     sites = _layer_sites(model, head)
     linears = [linear for _, _, linear in sites] if _packs_layers(sites) else []
-    if packing_applies(head):
-        linears.append(head)
-    return sum(linear.weight.nbytes for linear in linears if not _is_packed(linear))
+    pending = [linear for linear in _mkl_copies(linears) if not _is_packed(linear, mkl=True)]
+    pending += [linear for linear in [*linears, *([head] if packing_applies(head) else [])] if not _is_packed(linear)]
+    return sum(linear.weight.nbytes for linear in pending)
 
 
-def _is_packed(linear: nn.Linear) -> bool:
+def _is_packed(linear: nn.Linear, mkl: bool = False) -> bool:
+    """Whether `linear`'s packed copy is made (`mkl`: its MKL copy)."""
     packed = _modules.get(linear)
-    return packed is not None and packed.stands_for(linear) and packed._packed_from is not None
+    return (packed is not None and packed.stands_for(linear)
+            and (mkl_products.packed(packed.handle) if mkl else packed._packed_from is not None))
 
 
 def weights_changed(model: nn.Module) -> None:
@@ -321,6 +311,14 @@ class _Plan:
     head: nn.Module | None
     packed_head: PackedLinear | None
     swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]]
+    step_rows: int = -1
+
+    def aim(self, step_rows: int) -> None:
+        """Aims the layers with MKL copies (`_mkl_copies`) at `step_rows` rows, past their packed rows."""
+        chosen = {id(own) for own in _mkl_copies([own for _, _, own, _ in self.swaps])}
+        for _, _, own, swap in self.swaps:
+            mkl_products.aim(swap.handle, step_rows if id(own) in chosen and step_rows > swap.max_rows else 0)
+        self.step_rows = step_rows
 
     @classmethod
     def of(cls, model: nn.Module, setting: str) -> _Plan:
@@ -375,13 +373,17 @@ def _setting() -> str:
 
 
 @contextmanager
-def packed_forward(model: nn.Module) -> Iterator[None]:
+def packed_forward(model: nn.Module, step_rows: int = 0) -> Iterator[None]:
     """Within the block, `model`'s output head and (memory permitting) its other linear layers are their fresh
-    `PackedLinear`s, where packing applies; the model's own modules are back afterwards, also on errors."""
+    `PackedLinear`s, where packing applies; the model's own modules are back afterwards, also on errors.
+    `step_rows`: the rows of a full prompt step (the engine's token budget), which float32 layers on Intel compute
+    over MKL copies packed for them (`mkl_products`); 0: none."""
     setting = _setting()
     plan: _Plan | None = model.__dict__.get(PLAN_ATTRIBUTE)
     if plan is None or not plan.holds(model, setting):
         plan = model.__dict__[PLAN_ATTRIBUTE] = _Plan.of(model, setting)
+    if plan.step_rows != step_rows:
+        plan.aim(step_rows)
     for packed in [plan.packed_head, *(swap[3] for swap in plan.swaps)]:
         if packed is not None:
             packed.refresh()

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig
 from contbatch.api import generate_batch
-from contbatch.engine import cpu_features, cpu_kernels, packed_weights
+from contbatch.engine import cpu_features, cpu_kernels, mkl_products, packed_weights
 from contbatch.engine.attention import METADATA_KWARG
 from contbatch.engine.attention_types import KVShapeProbe
 from contbatch.engine.packed_weights import (
@@ -70,7 +70,7 @@ def test_rows_above_the_limit_take_the_plain_weight(mkl_fast: bool, monkeypatch:
     """Over `max_rows` a float32 product is over the weight as it is (no packed copy read), bit for bit: MKL's
     `F.linear` where it is fast (`mkl_is_fast`), else oneDNN's; a weight that is not contiguous, or a bfloat16 one,
     takes `F.linear`."""
-    monkeypatch.setattr(packed_weights, "mkl_is_fast", lambda: mkl_fast)
+    monkeypatch.setattr(mkl_products, "mkl_is_fast", lambda: mkl_fast)
     linear = _linear(True)
     packed = PackedLinear.for_linear(linear, max_rows=4, panels=True)
     packed.refresh()
@@ -80,9 +80,9 @@ def test_rows_above_the_limit_take_the_plain_weight(mkl_fast: bool, monkeypatch:
                     torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], ""))
         assert torch.equal(packed(x), expected)
         strided = nn.Parameter(torch.randn(32, 16).t())
-        assert torch.equal(packed_weights._unpacked_product(x, strided, None), torch.nn.functional.linear(x, strided))
+        assert torch.equal(mkl_products.plain_product(x, strided, None), torch.nn.functional.linear(x, strided))
         halves = x.bfloat16(), linear.weight.bfloat16()
-        assert torch.equal(packed_weights._unpacked_product(*halves, None), torch.nn.functional.linear(*halves))
+        assert torch.equal(mkl_products.plain_product(*halves, None), torch.nn.functional.linear(*halves))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -238,6 +238,7 @@ def test_modules_given_back_when_the_forward_fails() -> None:
 
 
 def test_layers_packed_only_within_their_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(mkl_products.ENV, "0")  # MKL's copies: tests/engine/test_mkl_products.py
     model = fresh_tiny_model("llama")
     head = model.get_output_embeddings().weight.nbytes
     layers = sum(m.weight.nbytes for m in model.modules() if type(m) is nn.Linear) - head
