@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from contbatch.engine.cpu_features import cpu_has_amx, cpuinfo_line, mkl_is_fast
 from contbatch.engine.kernel_tuning import tune
+from contbatch.engine.mkl_products import ENV as MKL_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -273,9 +274,10 @@ def describe_build() -> str:
     if module is None:
         state = "off (CONTBATCH_CPU_KERNELS=0)" if os.environ.get("CONTBATCH_CPU_KERNELS", "1") == "0" else "not built"
         return f"contbatch's CPU kernels: {state}"
-    panels = ("none" if panel_gemm() is None else
-              ("AVX-512" if wide_panels() else "AVX2") + (", float32 MKL's above LAYER_MAX_ROWS rows" if wide_panels()
-                                                         and mkl_is_fast() else "")
+    mkl = (", float32 MKL's above LAYER_MAX_ROWS rows" + (", a full step's over MKL's packed copies"
+                                                          if os.environ.get(MKL_ENV, "1") != "0" else "")
+           if wide_panels() and mkl_is_fast() else "")
+    panels = ("none" if panel_gemm() is None else ("AVX-512" if wide_panels() else "AVX2") + mkl
               + (", bfloat16 in pairs (AVX512-BF16)" if pair_panels() and not cpu_has_amx() else ""))
     if cpu_has_amx():
         panels += ("; bfloat16 layers AMX blocks (oneDNN's micro-kernel) up to AMX_MAX_ROWS rows, head oneDNN's"

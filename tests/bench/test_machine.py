@@ -76,6 +76,9 @@ def test_the_kernels_line_reads_the_build_and_never_starts_one(monkeypatch: pyte
     assert ("bfloat16 products oneDNN's (AMX)" in line) == (cpu_features.cpu_has_amx() and not cpu_kernels.amx_panels())
     assert ("bfloat16 attention scores AMX tiles" in line) == (module.attention_bfloat16_scores() == "tiles")
     assert ("MKL's above" in line) == (cpu_kernels.wide_panels() and cpu_features.mkl_is_fast())
+    assert ("MKL's packed copies" in line) == ("MKL's above" in line)
+    monkeypatch.setenv("CONTBATCH_MKL_PACKED", "0")
+    assert "MKL's packed copies" not in cpu_kernels.describe_build()
 
     @functools.cache
     def never_loaded() -> None:
