@@ -48,11 +48,6 @@ def aim(handle: int, rows: int) -> None:
         del _packs[handle]
 
 
-def target(handle: int) -> int:
-    """The row count `aim` set for `handle` (0: none)."""
-    return _targets.get(handle, 0)
-
-
 def packed(handle: int) -> bool:
     """Whether `handle` holds an MKL copy."""
     return handle in _packs
