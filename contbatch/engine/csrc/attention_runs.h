@@ -27,6 +27,34 @@ static inline std::vector<int64_t> row_runs(const int64_t* request, const int64_
 }
 
 #ifdef CONTBATCH_AVX2
+// The scores of positions [j0, j0 + kValueRows) of each of the run's tasks[0, count) (those below its length). With
+// tiles, where the 16 positions' key rows lie one after another, their rows in pairs serve every task holding all 16
+// (`tile_rows16`).
+template <typename S, Scores K, typename T>
+static CONTBATCH_INLINE void run_keys(std::vector<Stage<T>>& stages, const std::vector<Task<T>>& tasks, int64_t count,
+                                      int64_t j0, int64_t longest) {
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) {
+    const Task<T>& lead = tasks[0];
+    if (j0 + kTileRows <= longest && rows_follow(lead.slots, j0)) {
+      static thread_local std::vector<c10::BFloat16> pairs;
+      pairs.resize(kTileRows * lead.dim);
+      key_pairs16(lead.k + lead.slots[j0] * lead.dim, lead.dim, pairs.data());
+      for (int64_t r = 0; r < count; ++r) {
+        Stage<T>& s = stages[r];
+        if (j0 + kTileRows <= tasks[r].length)
+          tile_rows16(s.task, pairs.data(), s.query.data(), s.scores.data() + (j0 - s.task.first), s.stride);
+        else if (j0 < tasks[r].length)
+          key_chunk<S, K>(s, j0, tasks[r].length);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t r = 0; r < count; ++r)
+    if (j0 < tasks[r].length) key_chunk<S, K>(stages[r], j0, std::min(j0 + kValueRows, tasks[r].length));
+}
+
 // The tasks tasks[0, count) of one run (one kv head, the same slots and first position) attended together; only the
 // first task's `warm` decides whether the run prefetches its rows. `stages` holds at least `count` stages.
 template <typename S, Scores K, int Loc, typename T>
@@ -41,8 +69,7 @@ static void attend_run(std::vector<Stage<T>>& stages, const std::vector<Task<T>>
   for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {
     if (fetch) prefetch_rows<Loc>(lead.k, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueRows, longest,
                                   lead.dim);
-    for (int64_t r = 0; r < count; ++r)
-      if (j0 < tasks[r].length) key_chunk<S, K>(stages[r], j0, std::min(j0 + kValueRows, tasks[r].length));
+    run_keys<S, K>(stages, tasks, count, j0, longest);
   }
   for (int64_t r = 0; r < count; ++r) finish_keys(stages[r]);
   for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {

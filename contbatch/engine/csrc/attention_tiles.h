@@ -28,7 +28,9 @@ inline bool tiles_permitted() {
 }
 
 // The tile configuration for `group` query heads (at most 16): tile 0 the scores [16 positions, group], tile 1 16 key
-// rows' 32 columns, tile 2 the query heads' 32 columns as 16 pairs [16, group, 2].
+// rows' 32 columns, tile 2 the query heads' 32 columns as 16 pairs [16, group, 2]; for a run's rows
+// (`tile_rows16`), tile 3 the scores [group, 16 positions], tile 4 the query heads' 32 columns [group, 32], tile 5
+// 16 key rows' 32 columns as 16 pairs [16, 16 positions, 2].
 struct ScoreTiles {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes[16] = {};
@@ -36,9 +38,10 @@ struct ScoreTiles {
 
   explicit ScoreTiles(int64_t group) {
     const auto across = static_cast<uint16_t>(group * 4);
-    rows[0] = rows[1] = rows[2] = kTileRows;
+    rows[0] = rows[1] = rows[2] = rows[5] = kTileRows;
+    rows[3] = rows[4] = static_cast<uint8_t>(group);
     bytes[0] = bytes[2] = across;
-    bytes[1] = 64;
+    bytes[1] = bytes[3] = bytes[4] = bytes[5] = 64;
   }
 };
 
@@ -84,6 +87,19 @@ static inline bool rows_follow(const int64_t* slots, int64_t j0) {
          _mm512_cmpeq_epi64_mask(high, _mm512_add_epi64(steps, _mm512_set1_epi64(8))) == 0xFF;
 }
 
+// 16 sums scaled (and soft capped), as the scores of 16 positions.
+template <typename T>
+static CONTBATCH_INLINE __m512 finish16(__m512 sums, const Task<T>& t) {
+  __m512 s = _mm512_mul_ps(sums, _mm512_set1_ps(t.scale));
+  if (t.softcap > 0.f) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, s);
+    for (float& x : lanes) x = t.softcap * std::tanh(x / t.softcap);
+    s = _mm512_load_ps(lanes);
+  }
+  return s;
+}
+
 // The scores of 16 positions whose key rows start at `keys` (rows `dim` apart) for each query head, scaled (and soft
 // capped), at out + g * stride.
 template <typename T>
@@ -98,16 +114,62 @@ static CONTBATCH_INLINE void tile_scores16(const Task<T>& t, const c10::BFloat16
   }
   _tile_stored(0, sums, t.group * 4);
   const __m512i across = lane_multiples(t.group);
-  const __m512 scale = _mm512_set1_ps(t.scale);
-  for (int64_t g = 0; g < t.group; ++g) {
-    __m512 s = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(across, _mm512_set1_epi32(g)), sums, 4), scale);
-    if (t.softcap > 0.f) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, s);
-      for (float& x : lanes) x = t.softcap * std::tanh(x / t.softcap);
-      s = _mm512_load_ps(lanes);
-    }
-    _mm512_storeu_ps(out + g * stride, s);
+  for (int64_t g = 0; g < t.group; ++g)
+    _mm512_storeu_ps(out + g * stride,
+                     finish16(_mm512_i32gather_ps(_mm512_add_epi32(across, _mm512_set1_epi32(g)), sums, 4), t));
+}
+
+// r[i] becomes column i of the 16 x 16 matrix of 32-bit elements whose rows were r[0, 16).
+static inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
+  for (int g = 0; g < 16; g += 4) {
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x88), x1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xDD);
+    t[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[8 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    t[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The key rows of 16 positions starting at `keys` (rows `dim` apart) as tile 5's operand for each 32 columns c, in
+// pairs: out[c * 16 + (p * 16 + j) * 2 + e] = keys[j * dim + c + 2 p + e].
+static inline void key_pairs16(const c10::BFloat16* keys, int64_t dim, c10::BFloat16* out) {
+  for (int64_t c = 0; c < dim; c += 32) {
+    __m512i r[16];
+    for (int64_t j = 0; j < kTileRows; ++j) r[j] = _mm512_loadu_si512(keys + j * dim + c);
+    transpose16(r);
+    for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(out + c * 16 + p * 32, r[p]);
+  }
+}
+
+// `tile_scores16` for a row of a run, from the 16 positions' key rows in pairs (`key_pairs16`, shared by the run's
+// rows) and its query heads (bfloat16 [group, dim]), with the heads as the tile's rows: each head's 16 sums are a
+// row of the tile, stored in place, where `tile_scores16` gathers them. The sums are the same: `tdpbf16ps` adds the
+// same exact products in the same order of k whichever operand holds the query.
+template <typename T>
+static CONTBATCH_INLINE void tile_rows16(const Task<T>& t, const c10::BFloat16* pairs, const c10::BFloat16* query,
+                                         float* out, int64_t stride) {
+  _tile_zero(3);
+  for (int64_t c = 0; c < t.dim; c += 32) {
+    _tile_loadd(4, query + c, t.dim * 2);
+    _tile_loadd(5, pairs + c * 16, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(3, out, stride * 4);
+  for (int64_t g = 0; g < t.group; ++g)
+    _mm512_storeu_ps(out + g * stride, finish16(_mm512_loadu_ps(out + g * stride), t));
 }
 #endif
