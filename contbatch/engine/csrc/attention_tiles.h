@@ -1,8 +1,9 @@
 // AMX tiles for the scores of contbatch's CPU attention (decode_attention.cpp), for a bfloat16 cache where the CPU
 // has AMX: 16 positions whose key rows lie one after another in the cache (one block) take one tile of key rows per
 // 32 columns, times the query heads packed as a tile of bfloat16 pairs (`_tile_dpbf16ps`: float32 sums of exact
-// products). Positions split across blocks, and the last positions of a row, take the pair kernels
-// (attention_pairs.h).
+// products). The rows of a run (attention_runs.h) share the 16 key rows transposed into pairs, times each row's heads
+// as the tile's rows (`tile_rows16`: the same sums, stored without gathers). Positions split across blocks, and the
+// last positions of a row, take the pair kernels (attention_pairs.h).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
