@@ -27,25 +27,45 @@ static inline std::vector<int64_t> row_runs(const int64_t* request, const int64_
 }
 
 #ifdef CONTBATCH_AVX2
+#ifdef CONTBATCH_TILES
+// The query heads of the run's stages[0, count) as `run_scores16`'s operand: out[(g * 16 + r) * dim + d] for head g of
+// row r (zero for the rows past `count`).
+template <typename T>
+static void run_queries(const std::vector<Stage<T>>& stages, int64_t count, std::vector<c10::BFloat16>& out) {
+  const int64_t group = stages[0].task.group, dim = stages[0].task.dim;
+  out.assign(group * kTileRows * dim, c10::BFloat16(0.f));
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t g = 0; g < group; ++g)
+      std::copy_n(stages[r].query.data() + g * dim, dim, out.data() + (g * kTileRows + r) * dim);
+}
+#endif
+
 // The scores of positions [j0, j0 + kValueRows) of each of the run's tasks[0, count) (those below its length). With
-// tiles, where the 16 positions' key rows lie one after another, their rows in pairs serve every task holding all 16
-// (`tile_rows16`).
+// tiles, where the 16 positions' key rows lie one after another, one tile product a query head serves every task
+// holding all 16 (`run_scores16` over the run's `queries`).
 template <typename S, Scores K, typename T>
 static CONTBATCH_INLINE void run_keys(std::vector<Stage<T>>& stages, const std::vector<Task<T>>& tasks, int64_t count,
-                                      int64_t j0, int64_t longest) {
+                                      int64_t j0, int64_t longest, const c10::BFloat16* queries) {
 #ifdef CONTBATCH_TILES
   if constexpr (K == Scores::kTiles) {
     const Task<T>& lead = tasks[0];
     if (j0 + kTileRows <= longest && rows_follow(lead.slots, j0)) {
       static thread_local std::vector<c10::BFloat16> pairs;
+      static thread_local std::vector<float> sums;
       pairs.resize(kTileRows * lead.dim);
+      sums.resize(lead.group * kTileRows * 16);
       key_pairs16(lead.k + lead.slots[j0] * lead.dim, lead.dim, pairs.data());
+      run_scores16(pairs.data(), queries, lead.group, lead.dim, sums.data());
       for (int64_t r = 0; r < count; ++r) {
         Stage<T>& s = stages[r];
-        if (j0 + kTileRows <= tasks[r].length)
-          tile_rows16(s.task, pairs.data(), s.query.data(), s.scores.data() + (j0 - s.task.first), s.stride);
-        else if (j0 < tasks[r].length)
+        if (j0 + kTileRows <= tasks[r].length) {
+          float* out = s.scores.data() + (j0 - s.task.first);
+          const float* row = sums.data() + r * 16;
+          for (int64_t g = 0; g < lead.group; ++g)
+            _mm512_storeu_ps(out + g * s.stride, finish16(_mm512_loadu_ps(row + g * kTileRows * 16), lead));
+        } else if (j0 < tasks[r].length) {
           key_chunk<S, K>(s, j0, tasks[r].length);
+        }
       }
       return;
     }
@@ -66,10 +86,14 @@ static void attend_run(std::vector<Stage<T>>& stages, const std::vector<Task<T>>
   }
   const Task<T>& lead = tasks[0];
   const bool fetch = !lead.warm;
+  static thread_local std::vector<c10::BFloat16> queries;
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) run_queries(stages, count, queries);
+#endif
   for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {
     if (fetch) prefetch_rows<Loc>(lead.k, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueRows, longest,
                                   lead.dim);
-    run_keys<S, K>(stages, tasks, count, j0, longest);
+    run_keys<S, K>(stages, tasks, count, j0, longest, queries.data());
   }
   for (int64_t r = 0; r < count; ++r) finish_keys(stages[r]);
   for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {

@@ -1,9 +1,9 @@
 // AMX tiles for the scores of contbatch's CPU attention (decode_attention.cpp), for a bfloat16 cache where the CPU
 // has AMX: 16 positions whose key rows lie one after another in the cache (one block) take one tile of key rows per
 // 32 columns, times the query heads packed as a tile of bfloat16 pairs (`_tile_dpbf16ps`: float32 sums of exact
-// products). The rows of a run (attention_runs.h) share the 16 key rows transposed into pairs, times each row's heads
-// as the tile's rows (`tile_rows16`: the same sums, stored without gathers). Positions split across blocks, and the
-// last positions of a row, take the pair kernels (attention_pairs.h).
+// products). The rows of a run (attention_runs.h) share the 16 key rows transposed into pairs, times each query head's
+// rows of the run as the tile's rows (`run_scores16`: the same sums, one tile product a head for up to 16 rows).
+// Positions split across blocks, and the last positions of a row, take the pair kernels (attention_pairs.h).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -30,8 +30,8 @@ inline bool tiles_permitted() {
 
 // The tile configuration for `group` query heads (at most 16): tile 0 the scores [16 positions, group], tile 1 16 key
 // rows' 32 columns, tile 2 the query heads' 32 columns as 16 pairs [16, group, 2]; for a run's rows
-// (`tile_rows16`), tile 3 the scores [group, 16 positions], tile 4 the query heads' 32 columns [group, 32], tile 5
-// 16 key rows' 32 columns as 16 pairs [16, 16 positions, 2].
+// (`run_scores16`), tiles 3 and 6 the scores of one query head [16 rows, 16 positions], tiles 4 and 7 that head's
+// 32 columns of the 16 rows [16, 32], tile 5 16 key rows' 32 columns as 16 pairs [16, 16 positions, 2].
 struct ScoreTiles {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes[16] = {};
@@ -39,10 +39,11 @@ struct ScoreTiles {
 
   explicit ScoreTiles(int64_t group) {
     const auto across = static_cast<uint16_t>(group * 4);
-    rows[0] = rows[1] = rows[2] = rows[5] = kTileRows;
-    rows[3] = rows[4] = static_cast<uint8_t>(group);
+    for (int i = 0; i < 8; ++i) {
+      rows[i] = kTileRows;
+      bytes[i] = 64;
+    }
     bytes[0] = bytes[2] = across;
-    bytes[1] = bytes[3] = bytes[4] = bytes[5] = 64;
   }
 };
 
@@ -156,21 +157,33 @@ static inline void key_pairs16(const c10::BFloat16* keys, int64_t dim, c10::BFlo
   }
 }
 
-// `tile_scores16` for a row of a run, from the 16 positions' key rows in pairs (`key_pairs16`, shared by the run's
-// rows) and its query heads (bfloat16 [group, dim]), with the heads as the tile's rows: each head's 16 sums are a
-// row of the tile, stored in place, where `tile_scores16` gathers them. The sums are the same: `tdpbf16ps` adds the
-// same exact products in the same order of k whichever operand holds the query.
-template <typename T>
-static CONTBATCH_INLINE void tile_rows16(const Task<T>& t, const c10::BFloat16* pairs, const c10::BFloat16* query,
-                                         float* out, int64_t stride) {
-  _tile_zero(3);
-  for (int64_t c = 0; c < t.dim; c += 32) {
-    _tile_loadd(4, query + c, t.dim * 2);
-    _tile_loadd(5, pairs + c * 16, 64);
-    _tile_dpbf16ps(3, 4, 5);
+// The sums of the scores of 16 positions for each query head of up to 16 rows of a run, from the positions' key rows
+// in pairs (`key_pairs16`) and the rows' query heads (bfloat16 [group, 16 rows, dim]), with the rows as the tile's
+// rows: sums[(g * 16 + r) * 16 + j] for head g of row r at position j, unscaled. The sums are `tile_scores16`'s:
+// `tdpbf16ps` adds the same exact products in the same order of k whichever operand holds the query, and an output
+// row depends only on its own query row. Consecutive heads alternate tiles (3, 4 and 6, 7), so that one head's
+// products need not wait for the previous head's store.
+static CONTBATCH_INLINE void run_scores16(const c10::BFloat16* pairs, const c10::BFloat16* queries, int64_t group,
+                                          int64_t dim, float* sums) {
+  for (int64_t g = 0; g < group; ++g) {
+    const c10::BFloat16* q = queries + g * kTileRows * dim;
+    if (g % 2 == 0) {
+      _tile_zero(3);
+      for (int64_t c = 0; c < dim; c += 32) {
+        _tile_loadd(4, q + c, dim * 2);
+        _tile_loadd(5, pairs + c * 16, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(3, sums + g * kTileRows * 16, 64);
+    } else {
+      _tile_zero(6);
+      for (int64_t c = 0; c < dim; c += 32) {
+        _tile_loadd(7, q + c, dim * 2);
+        _tile_loadd(5, pairs + c * 16, 64);
+        _tile_dpbf16ps(6, 7, 5);
+      }
+      _tile_stored(6, sums + g * kTileRows * 16, 64);
+    }
   }
-  _tile_stored(3, out, stride * 4);
-  for (int64_t g = 0; g < t.group; ++g)
-    _mm512_storeu_ps(out + g * stride, finish16(_mm512_loadu_ps(out + g * stride), t));
 }
 #endif
