@@ -15,10 +15,12 @@ BLOCK = 16
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               lengths: torch.Tensor, first: torch.Tensor, scale: float, softcap: float,
-              queries_per_request: int = 1, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              queries_per_request: int = 1, sinks: torch.Tensor | None = None,
+              weights: torch.dtype | None = None) -> torch.Tensor:
     """[R, H, D] attention of each query row r over positions first[r]..lengths[r]-1 of its request's slots
     (request r // queries_per_request), in float64; with `sinks` [H], each head's sink logit joins its softmax
-    and its probability is dropped (gpt-oss)."""
+    and its probability is dropped (gpt-oss); with `weights`, the probabilities are rounded to that dtype before
+    they weigh the value rows."""
     batch, heads, _ = query.shape
     group = heads // keys.shape[0]
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -32,8 +34,19 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
         if sinks is not None:
             logits = torch.cat([logits, sinks.double()[:, None]], dim=-1)
         probs = logits.softmax(-1)[:, :rows.numel()]
+        if weights is not None:
+            probs = probs.to(weights).double()
         out[b] = torch.einsum("hn,hnd->hd", probs, v)
     return out
+
+
+def weights_dtype(dtype: torch.dtype, group: int, dim: int) -> torch.dtype | None:
+    """The dtype the kernel rounds the probabilities to before they weigh the value rows: bfloat16 where a
+    bfloat16 cache's passes run AMX tiles (attention_values.h: at most 16 query heads a kv head, head_dim a multiple
+    of 32), none (float32) elsewhere."""
+    module = kernel_module()
+    tiles = module is not None and module.attention_bfloat16_scores() == "tiles"
+    return torch.bfloat16 if dtype == torch.bfloat16 and tiles and group <= 16 and dim % 32 == 0 else None
 
 
 @pytest.mark.parametrize(("kv_heads", "group", "dim", "softcap"), [
@@ -52,7 +65,8 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
 def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype,
                                   with_sinks: bool) -> None:
     """float32 within float32 rounding of the float64 result; bfloat16 (cache, query and output; float32
-    arithmetic inside) within one bfloat16 rounding of the float64 result on the same bfloat16 values. With
+    arithmetic inside, the probabilities rounded to bfloat16 where the value pass runs AMX tiles) within one
+    bfloat16 rounding of the float64 result on the same bfloat16 values (and probabilities). With
     sinks, some far above a row's logits (the row's output then near 0) and some far below."""
     kernel = paged_decode_kernel()
     assert kernel is not None
@@ -71,7 +85,8 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: 
     query, keys, values = query.to(dtype), keys.to(dtype), values.to(dtype)
     sinks = (torch.randn(kv_heads * group, generator=generator) * 6).float() if with_sinks else None
     got = kernel(query, keys, values, slots, lengths, first, scale, softcap, 1, sinks=sinks)
-    expected = reference(query, keys, values, slots, lengths, first, scale, softcap, sinks=sinks)
+    expected = reference(query, keys, values, slots, lengths, first, scale, softcap, sinks=sinks,
+                         weights=weights_dtype(dtype, group, dim))
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
@@ -133,7 +148,8 @@ def test_kernel_attends_prefill_rows_causally(kv_heads: int, group: int, dim: in
     first = (lengths - window).clamp(min=0) if window else torch.zeros_like(lengths)
     query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
     got = kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk)
-    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk)
+    expected = reference(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, chunk,
+                         weights=weights_dtype(dtype, group, dim))
     tolerance = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
 
@@ -157,7 +173,8 @@ def test_kernel_attends_a_ragged_batch(kv_heads: int, group: int, dim: int, dtyp
     first = torch.tensor([0, 0, 0, 0, 100, 0, 10, 0])
     query = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(dtype)
     got = kernel(query, keys, values, slots, lengths, first, dim**-0.5, 0.0, 1, row_requests)
-    expected = reference(query, keys, values, slots[row_requests], lengths, first, dim**-0.5, 0.0)
+    expected = reference(query, keys, values, slots[row_requests], lengths, first, dim**-0.5, 0.0,
+                         weights=weights_dtype(dtype, group, dim))
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
     alone = [kernel(query[r:r + 1], keys, values, slots[int(row_requests[r])][None].contiguous(), lengths[r:r + 1],
@@ -190,7 +207,8 @@ def test_kernel_runs_of_a_requests_rows_equal_each_row_alone(group: int, dim: in
     alone = [kernel(query[r:r + 1], keys, values, slots[int(row_requests[r])][None].contiguous(), lengths[r:r + 1],
                     first[r:r + 1], dim**-0.5, 0.0, 1) for r in range(len(lengths))]
     assert torch.equal(got, torch.cat(alone))
-    expected = reference(query, keys, values, slots[row_requests], lengths, first, dim**-0.5, 0.0)
+    expected = reference(query, keys, values, slots[row_requests], lengths, first, dim**-0.5, 0.0,
+                         weights=weights_dtype(dtype, group, dim))
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
 
@@ -223,7 +241,8 @@ def test_kernel_output_does_not_depend_on_the_threads(dtype: torch.dtype) -> Non
     alone = [kernel(query[r:r + 1], keys, values, slots[int(row_requests[r])][None].contiguous(), lengths[r:r + 1],
                     first[r:r + 1], 0.125, 0.0, 1) for r in (0, 3, 4, len(lengths) - 1)]
     assert torch.equal(outputs[0][[0, 3, 4, len(lengths) - 1]], torch.cat(alone))
-    expected = reference(query, keys, values, slots[row_requests], lengths, first, 0.125, 0.0)
+    expected = reference(query, keys, values, slots[row_requests], lengths, first, 0.125, 0.0,
+                         weights=weights_dtype(dtype, 3, 64))
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(outputs[0].double(), expected, rtol=tolerance, atol=tolerance)
 

@@ -22,6 +22,7 @@
 #include "attention_pairs.h"
 #include "attention_rows.h"
 #include "attention_tiles.h"
+#include "attention_values.h"
 #include "softmax.h"
 
 #ifdef CONTBATCH_AVX2
@@ -37,6 +38,7 @@ struct Stage {
   Task<T> task{};
   std::vector<float> scores, query32, sums;
   std::vector<c10::BFloat16> query, tiles;
+  mutable std::vector<c10::BFloat16> pairs, weights;  // the value pass's scratch (`value_tiles`)
   int64_t stride = 0;
 };
 
@@ -64,6 +66,8 @@ static void begin_keys(Stage<T>& s, const Task<T>& t) {
   if constexpr (K == Scores::kTiles) {
     s.tiles.resize(t.group * t.dim);
     query_tiles(s.query.data(), t.group, t.dim, s.tiles.data());
+    s.pairs.resize(kValueChunk * t.dim);
+    s.weights.resize(t.group * kValueChunk);
   }
 #endif
 }
@@ -115,12 +119,25 @@ static void finish_keys(Stage<T>& s) {
   }
 }
 
-// out[g] += the value rows [j0, j0 + n) (those below the length, n <= kValueRows) weighted by their probabilities.
+// out[g] += the value rows [j0, j0 + n) (those below the length, n <= kValueRows) weighted by their probabilities;
+// with tiles, the pieces [j0, j0 + n) of a pass, in order, gather into the chunks of `value_tiles`, each added at its
+// last piece.
 template <typename S, Scores K, typename T>
 __attribute__((noinline)) static void value_rows(const Stage<T>& s, int64_t j0, int64_t n) {
   constexpr int kOneHeadVectors = static_cast<int>(64 / S::kWidth);  // 64 columns a pass for a lone head
   const Task<T>& t = s.task;
   const int64_t count = std::min<int64_t>(n, t.length - j0), dim = t.dim;
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) {
+    const int64_t end = j0 + count, at = (end - t.first) % kValueChunk;
+    if (at == 0 || end == t.length) {
+      const int64_t start = end - (at == 0 ? kValueChunk : at);
+      value_tiles(t, s.scores.data() + (start - t.first), s.stride, start, end - start, s.pairs.data(),
+                  s.weights.data());
+    }
+    return;
+  }
+#endif
   const T* rows[kValueRows];
   for (int64_t i = 0; i < count; ++i) rows[i] = t.v + t.slots[j0 + i] * dim;
   const float* p = s.scores.data() + (j0 - t.first);
@@ -195,8 +212,11 @@ static void overlap(const Stage<T>* values, Stage<T>* keys) {
 template <Scores K, typename T>
 static inline void finish_values(const Stage<T>& s) {
   const Task<T>& t = s.task;
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) untile_rows(t.out, t.group, t.dim);
+#endif
 #ifdef CONTBATCH_PAIRS
-  if constexpr (K != Scores::kLanes) unpair_rows(t.out, t.group, t.dim);
+  if constexpr (K == Scores::kPairs) unpair_rows(t.out, t.group, t.dim);
 #endif
   const int64_t count = t.group * t.dim;
   if constexpr (std::is_same_v<T, float>) {

@@ -75,6 +75,45 @@ static CONTBATCH_INLINE void run_keys(std::vector<Stage<T>>& stages, const std::
     if (j0 < tasks[r].length) key_chunk<S, K>(stages[r], j0, std::min(j0 + kValueRows, tasks[r].length));
 }
 
+#ifdef CONTBATCH_TILES
+// The value pass of the run's stages[0, count) (one kv head, `longest` the longest length) in tiles: for each 32
+// positions, their value rows in pairs once, then one tile product a query head and 16 columns for all the rows
+// (tiles 3-5), each row's probabilities zero past its length. Each row's sums are those `value_tiles` gives it
+// alone; they are left in each stage's sums (tile order).
+template <typename T, typename Fetch>
+static void run_value_tiles(std::vector<Stage<T>>& stages, int64_t count, int64_t longest, Fetch fetch) {
+  static thread_local std::vector<c10::BFloat16> pairs, weights;
+  static thread_local std::vector<float> sums;
+  const Task<T>& lead = stages[0].task;
+  const int64_t dim = lead.dim, group = lead.group;
+  pairs.resize(kValueChunk * dim);
+  weights.assign(kTileRows * kValueChunk, c10::BFloat16(0.f));
+  sums.assign(group * kTileRows * dim, 0.f);
+  for (int64_t j0 = lead.first; j0 < longest; j0 += kValueChunk) {
+    fetch(j0);
+    value_pairs(lead.v, lead.slots, j0, std::min(kValueChunk, longest - j0), dim, pairs.data());
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t r = 0; r < count; ++r) {
+        const Stage<T>& s = stages[r];
+        const int64_t n = std::clamp<int64_t>(s.task.length - j0, 0, kValueChunk);
+        probs_row(s.scores.data() + g * s.stride + (j0 - s.task.first), n, weights.data() + r * kValueChunk);
+      }
+      _tile_loadd(4, weights.data(), 64);
+      float* head = sums.data() + g * kTileRows * dim;
+      for (int64_t u = 0; u < dim / 16; ++u) {
+        _tile_loadd(3, head + u * 16, dim * 4);
+        _tile_loadd(5, pairs.data() + u * 16 * 32, 64);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_stored(3, head + u * 16, dim * 4);
+      }
+    }
+  }
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t g = 0; g < group; ++g)
+      std::copy_n(sums.data() + (g * kTileRows + r) * dim, dim, stages[r].task.out + g * dim);
+}
+#endif
+
 // The tasks tasks[0, count) of one run (one kv head, the same slots and first position) attended together; only the
 // first task's `warm` decides whether the run prefetches its rows. `stages` holds at least `count` stages.
 template <typename S, Scores K, int Loc, typename T>
@@ -96,6 +135,16 @@ static void attend_run(std::vector<Stage<T>>& stages, const std::vector<Task<T>>
     run_keys<S, K>(stages, tasks, count, j0, longest, queries.data());
   }
   for (int64_t r = 0; r < count; ++r) finish_keys(stages[r]);
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) {
+    run_value_tiles(stages, count, longest, [&](int64_t j0) {
+      if (fetch) prefetch_rows<Loc>(lead.v, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueChunk, longest,
+                                    lead.dim);
+    });
+    for (int64_t r = 0; r < count; ++r) finish_values<K>(stages[r]);
+    return;
+  }
+#endif
   for (int64_t j0 = lead.first; j0 < longest; j0 += kValueRows) {
     if (fetch) prefetch_rows<Loc>(lead.v, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueRows, longest,
                                   lead.dim);
@@ -125,7 +174,13 @@ static void attend_all(Next next) {
     if (count == 0) break;
     if (count > 1) {
       drain();
+#ifdef CONTBATCH_TILES
+      if constexpr (K == Scores::kTiles) configure_tiles(tasks[0].group, TileUse::kRun);
+#endif
       attend_run<S, K, Loc>(run_stages, tasks, count);
+#ifdef CONTBATCH_TILES
+      if constexpr (K == Scores::kTiles) configure_tiles(tasks[0].group, TileUse::kLone);
+#endif
       continue;
     }
     Stage<T>& s = stages[at];

@@ -28,34 +28,43 @@ inline bool tiles_permitted() {
   return permitted;
 }
 
-// The tile configuration for `group` query heads (at most 16): tile 0 the scores [16 positions, group], tile 1 16 key
-// rows' 32 columns, tile 2 the query heads' 32 columns as 16 pairs [16, group, 2]; for a run's rows
-// (`run_scores16`), tiles 3 and 6 the scores of one query head [16 rows, 16 positions], tiles 4 and 7 that head's
-// 32 columns of the 16 rows [16, 32], tile 5 16 key rows' 32 columns as 16 pairs [16, 16 positions, 2].
+// What the tiles hold: for lone rows (`kLone`), tile 0 the scores [16 positions, group], tile 1 16 key rows' 32
+// columns (or, in the value pass, 16 pairs of value rows' 16 columns [16, 16, 2], attention_values.h), tile 2 the
+// query heads' 32 columns as 16 pairs [16, group, 2], tiles 3-6 a task's float32 sums of each 16 columns [group, 16]
+// and tile 7 its probabilities of 32 positions [group, 32]. For a run's rows (`kRun`), tiles 0-2 as for lone rows
+// (a row's last positions), and tiles 3-5 [16, 64 bytes]: in the key pass (`run_scores16`) the scores of one query
+// head [16 rows, 16 positions], that head's 32 columns of the 16 rows, 16 key rows' 32 columns as 16 pairs; in the
+// value pass, the sums [16 rows, 16 columns], the probabilities [16 rows, 32 positions], the value rows' pairs.
+enum class TileUse { kLone, kRun };
+
+// The tile configuration of `use` for `group` query heads (at most 16).
 struct ScoreTiles {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes[16] = {};
   uint8_t rows[16] = {};
 
-  explicit ScoreTiles(int64_t group) {
+  ScoreTiles(int64_t group, TileUse use) {
     const auto across = static_cast<uint16_t>(group * 4);
     for (int i = 0; i < 8; ++i) {
-      rows[i] = kTileRows;
+      rows[i] = use == TileUse::kRun || i < 3 ? kTileRows : static_cast<uint8_t>(group);
       bytes[i] = 64;
     }
     bytes[0] = bytes[2] = across;
   }
 };
 
-// This thread's tiles configured for `group` heads for the life of the object; released after, with torch's record
-// of the thread's configuration cleared, so that its next AMX product configures its own.
+// Configures this thread's tiles for `use` with `group` query heads (their contents become zero).
+static inline void configure_tiles(int64_t group, TileUse use) {
+  alignas(64) ScoreTiles config(group, use);
+  asm volatile("" : : "r"(&config) : "memory");  // the compiler does not see ldtilecfg read the configuration
+  _tile_loadconfig(&config);
+}
+
+// This thread's tiles configured for lone rows of `group` heads for the life of the object; released after, with
+// torch's record of the thread's configuration cleared, so that its next AMX product configures its own.
 class TileScope {
  public:
-  explicit TileScope(int64_t group) {
-    alignas(64) ScoreTiles config(group);
-    asm volatile("" : : "r"(&config) : "memory");  // the compiler does not see ldtilecfg read the configuration
-    _tile_loadconfig(&config);
-  }
+  explicit TileScope(int64_t group) { configure_tiles(group, TileUse::kLone); }
   ~TileScope() {
     _tile_release();
     at::native::cpublas::brgemm_release();
@@ -161,29 +170,17 @@ static inline void key_pairs16(const c10::BFloat16* keys, int64_t dim, c10::BFlo
 // in pairs (`key_pairs16`) and the rows' query heads (bfloat16 [group, 16 rows, dim]), with the rows as the tile's
 // rows: sums[(g * 16 + r) * 16 + j] for head g of row r at position j, unscaled. The sums are `tile_scores16`'s:
 // `tdpbf16ps` adds the same exact products in the same order of k whichever operand holds the query, and an output
-// row depends only on its own query row. Consecutive heads alternate tiles (3, 4 and 6, 7), so that one head's
-// products need not wait for the previous head's store.
+// row depends only on its own query row.
 static CONTBATCH_INLINE void run_scores16(const c10::BFloat16* pairs, const c10::BFloat16* queries, int64_t group,
                                           int64_t dim, float* sums) {
   for (int64_t g = 0; g < group; ++g) {
-    const c10::BFloat16* q = queries + g * kTileRows * dim;
-    if (g % 2 == 0) {
-      _tile_zero(3);
-      for (int64_t c = 0; c < dim; c += 32) {
-        _tile_loadd(4, q + c, dim * 2);
-        _tile_loadd(5, pairs + c * 16, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(3, sums + g * kTileRows * 16, 64);
-    } else {
-      _tile_zero(6);
-      for (int64_t c = 0; c < dim; c += 32) {
-        _tile_loadd(7, q + c, dim * 2);
-        _tile_loadd(5, pairs + c * 16, 64);
-        _tile_dpbf16ps(6, 7, 5);
-      }
-      _tile_stored(6, sums + g * kTileRows * 16, 64);
+    _tile_zero(3);
+    for (int64_t c = 0; c < dim; c += 32) {
+      _tile_loadd(4, queries + g * kTileRows * dim + c, dim * 2);
+      _tile_loadd(5, pairs + c * 16, 64);
+      _tile_dpbf16ps(3, 4, 5);
     }
+    _tile_stored(3, sums + g * kTileRows * 16, 64);
   }
 }
 #endif
