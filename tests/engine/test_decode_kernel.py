@@ -19,8 +19,9 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
               weights: torch.dtype | None = None) -> torch.Tensor:
     """[R, H, D] attention of each query row r over positions first[r]..lengths[r]-1 of its request's slots
     (request r // queries_per_request), in float64; with `sinks` [H], each head's sink logit joins its softmax
-    and its probability is dropped (gpt-oss); with `weights`, the probabilities are rounded to that dtype before
-    they weigh the value rows."""
+    and its probability is dropped (gpt-oss); with `weights`, each exp(logit - the largest) is rounded to that
+    dtype before it weighs the value rows, and the sum is divided by the softmax's denominator after (the order of
+    the AMX kernel's value pass)."""
     batch, heads, _ = query.shape
     group = heads // keys.shape[0]
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -33,15 +34,17 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
             logits = softcap * torch.tanh(logits / softcap)
         if sinks is not None:
             logits = torch.cat([logits, sinks.double()[:, None]], dim=-1)
-        probs = logits.softmax(-1)[:, :rows.numel()]
-        if weights is not None:
-            probs = probs.to(weights).double()
-        out[b] = torch.einsum("hn,hnd->hd", probs, v)
+        if weights is None:
+            out[b] = torch.einsum("hn,hnd->hd", logits.softmax(-1)[:, :rows.numel()], v)
+            continue
+        exps = (logits - logits.max(-1, keepdim=True).values).exp()
+        rounded = exps[:, :rows.numel()].to(weights).double()
+        out[b] = torch.einsum("hn,hnd->hd", rounded, v) / exps.sum(-1, keepdim=True)
     return out
 
 
 def weights_dtype(dtype: torch.dtype, group: int, dim: int) -> torch.dtype | None:
-    """The dtype the kernel rounds the probabilities to before they weigh the value rows: bfloat16 where a
+    """The dtype the kernel rounds exp(logit - the largest) to before it weighs the value rows: bfloat16 where a
     bfloat16 cache's passes run AMX tiles (attention_values.h: at most 16 query heads a kv head, head_dim a multiple
     of 32), none (float32) elsewhere."""
     module = kernel_module()
@@ -65,8 +68,8 @@ def weights_dtype(dtype: torch.dtype, group: int, dim: int) -> torch.dtype | Non
 def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, softcap: float, dtype: torch.dtype,
                                   with_sinks: bool) -> None:
     """float32 within float32 rounding of the float64 result; bfloat16 (cache, query and output; float32
-    arithmetic inside, the probabilities rounded to bfloat16 where the value pass runs AMX tiles) within one
-    bfloat16 rounding of the float64 result on the same bfloat16 values (and probabilities). With
+    arithmetic inside, the value rows' weights rounded to bfloat16 where the value pass runs AMX tiles) within one
+    bfloat16 rounding of the float64 result on the same bfloat16 values (and weights). With
     sinks, some far above a row's logits (the row's output then near 0) and some far below."""
     kernel = paged_decode_kernel()
     assert kernel is not None

@@ -36,7 +36,7 @@ constexpr int64_t kPrefetchRows = 16;
 template <typename T>
 struct Stage {
   Task<T> task{};
-  std::vector<float> scores, query32, sums;
+  std::vector<float> scores, query32, sums, factors;
   std::vector<c10::BFloat16> query, tiles;
   mutable std::vector<c10::BFloat16> pairs, weights;  // the value pass's scratch (`value_tiles`)
   int64_t stride = 0;
@@ -105,16 +105,24 @@ static CONTBATCH_INLINE void key_chunk(Stage<T>& s, int64_t j0, int64_t end) {
 }
 
 // Each group's scores replaced by their softmax (lanes at -inf give 0), with a head's sink logit in its denominator
-// where the task has sinks; the outputs zeroed.
-template <typename T>
+// where the task has sinks; the outputs zeroed. With tiles, the scores become exp(score - the largest) only, and
+// each head's 1 / denominator waits in `factors` for `finish_values`: the value pass rounds them to bfloat16 either
+// way, and this saves a pass.
+template <Scores K, typename T>
 static void finish_keys(Stage<T>& s) {
   const Task<T>& t = s.task;
+  s.factors.resize(t.group);
   for (int64_t g = 0; g < t.group; ++g) {
     float* p = s.scores.data() + g * s.stride;
     const float highest = t.sinks ? std::max(max_of(p, s.stride), t.sinks[g]) : max_of(p, s.stride);
+#ifdef CONTBATCH_TILES
+    const float total = K == Scores::kTiles ? exp_in_place16(p, s.stride, highest) : exp_in_place(p, s.stride, highest);
+#else
     const float total = exp_in_place(p, s.stride, highest);
+#endif
     const float sink = t.sinks ? std::exp(t.sinks[g] - highest) : 0.f;
-    scale_in_place(p, s.stride, 1.f / (total + sink));
+    s.factors[g] = 1.f / (total + sink);
+    if constexpr (K != Scores::kTiles) scale_in_place(p, s.stride, s.factors[g]);
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
 }
@@ -213,7 +221,7 @@ template <Scores K, typename T>
 static inline void finish_values(const Stage<T>& s) {
   const Task<T>& t = s.task;
 #ifdef CONTBATCH_TILES
-  if constexpr (K == Scores::kTiles) untile_rows(t.out, t.group, t.dim);
+  if constexpr (K == Scores::kTiles) untile_rows(t.out, t.group, t.dim, s.factors.data());
 #endif
 #ifdef CONTBATCH_PAIRS
   if constexpr (K == Scores::kPairs) unpair_rows(t.out, t.group, t.dim);

@@ -134,7 +134,7 @@ static void attend_run(std::vector<Stage<T>>& stages, const std::vector<Task<T>>
                                   lead.dim);
     run_keys<S, K>(stages, tasks, count, j0, longest, queries.data());
   }
-  for (int64_t r = 0; r < count; ++r) finish_keys(stages[r]);
+  for (int64_t r = 0; r < count; ++r) finish_keys<K>(stages[r]);
 #ifdef CONTBATCH_TILES
   if constexpr (K == Scores::kTiles) {
     run_value_tiles(stages, count, longest, [&](int64_t j0) {
@@ -188,7 +188,7 @@ static void attend_all(Next next) {
     begin_keys<K>(s, tasks[0]);
     overlap<S, K, Loc>(pending, &s);
     if (pending) finish_values<K>(*pending);
-    finish_keys(s);
+    finish_keys<K>(s);
     pending = &s;
   }
   drain();

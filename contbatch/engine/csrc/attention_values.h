@@ -96,14 +96,18 @@ static void value_tiles(const Task<T>& t, const float* probs, int64_t stride, in
   }
 }
 
-// The `rows` output rows at out ([rows, dim], tile order, `value_pairs`) put back in column order.
-static inline void untile_rows(float* out, int64_t rows, int64_t dim) {
+// The `rows` output rows at out ([rows, dim], tile order, `value_pairs`) put back in column order, row g times
+// factors[g] (its softmax's 1 / denominator, `finish_keys`).
+static inline void untile_rows(float* out, int64_t rows, int64_t dim, const float* factors) {
   const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (float* c = out; c < out + rows * dim; c += 32) {
-    const __m512 first = _mm512_loadu_ps(c), second = _mm512_loadu_ps(c + 16);
-    _mm512_storeu_ps(c, _mm512_permutex2var_ps(first, low, second));
-    _mm512_storeu_ps(c + 16, _mm512_permutex2var_ps(first, high, second));
+  for (int64_t g = 0; g < rows; ++g) {
+    const __m512 factor = _mm512_set1_ps(factors[g]);
+    for (float* c = out + g * dim; c < out + (g + 1) * dim; c += 32) {
+      const __m512 first = _mm512_loadu_ps(c), second = _mm512_loadu_ps(c + 16);
+      _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_permutex2var_ps(first, low, second), factor));
+      _mm512_storeu_ps(c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(first, high, second), factor));
+    }
   }
 }
 #endif

@@ -59,4 +59,22 @@ static inline void scale_in_place(float* s, int64_t stride, float factor) {
 #endif
   for (; c < stride; c += 8) _mm256_storeu_ps(s + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(factor)));
 }
+
+#ifdef CONTBATCH_AVX512
+// exp_in_place for the AMX kernels (attention_values.h), whose probabilities are not those of the other builds
+// anyway: four independent sums of 16 lanes, where exp_in_place's single chain of additions is the pass's limit.
+static inline float exp_in_place16(float* s, int64_t stride, float top) {
+  const __m512 top16 = _mm512_set1_ps(top), none16 = _mm512_set1_ps(-INFINITY);
+  __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t c = 0; c < stride; c += 16) {
+    const auto lanes = static_cast<__mmask16>(stride - c >= 16 ? 0xFFFF : 0xFF);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, s + c);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(lanes, x, none16, _CMP_NEQ_OQ);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, top16)));
+    _mm512_mask_storeu_ps(s + c, lanes, p);
+    sums[(c / 16) % 4] = _mm512_add_ps(sums[(c / 16) % 4], p);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
+}
+#endif
 #endif
