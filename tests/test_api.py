@@ -131,14 +131,14 @@ def test_async_batching_through_generate_batch_equals_generate() -> None:
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_unset_budget_follows_the_device_and_dtype(monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
-    """`max_batch_tokens=None`: 512 tokens on CPU, 2,048 for a bfloat16 model where the CPU has AMX, 4,096 on CUDA;
+    """`max_batch_tokens=None`: 512 tokens on CPU, 4,096 for a bfloat16 model where the CPU has AMX, 4,096 on CUDA;
     a budget the config sets always wins."""
     monkeypatch.setattr(engine_config, "cpu_has_amx", lambda: amx)
     assert default_max_batch_tokens("cpu", torch.float32) == 512
-    assert default_max_batch_tokens("cpu", torch.bfloat16) == (2048 if amx else 512)
+    assert default_max_batch_tokens("cpu", torch.bfloat16) == (4096 if amx else 512)
     assert default_max_batch_tokens("cuda", torch.bfloat16) == 4096
     model = fresh_tiny_model("llama", "cpu").to(torch.bfloat16)
     with make_engine(model, block_size=4, num_blocks=64) as engine:
-        assert engine.scheduler.max_batch_tokens == (2048 if amx else 512)
+        assert engine.scheduler.max_batch_tokens == (4096 if amx else 512)
     with make_engine(model, block_size=4, num_blocks=64, max_batch_tokens=24) as engine:
         assert engine.scheduler.max_batch_tokens == 24

@@ -29,8 +29,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "transformers' default of 256)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="token budget of one forward pass (default: 512 on CPU, 2048 for a bfloat16 model on a "
-                        "CPU with AMX and for `contbatch serve` on CPU, 4096 on CUDA)")
+                        help="token budget of one forward pass (default: 512 on CPU, 4096 for a bfloat16 model on a "
+                        "CPU with AMX, 2048 for `contbatch serve` on CPU, 4096 on CUDA)")
     parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                         help="while some request is decoding, prompts get at most N of a step's tokens, which "
                         "bounds the delay new prompts add between the tokens of running requests (default: no "
