@@ -11,7 +11,7 @@
 // The scores (`Scores`): float32 lanes over rows widened as they are read (`scores_of_rows`, attention_rows.h);
 // for a bfloat16 cache with AVX512-BF16, bfloat16 pairs (`scores_of_pairs`, attention_pairs.h); with AMX as well,
 // tiles of 16 positions wherever their key rows lie one after another (`tile_scores16`, attention_tiles.h), pairs
-// elsewhere.
+// elsewhere; with AMX the value pass is tiles too (`value_tiles`, attention_values.h).
 #pragma once
 
 #include <algorithm>

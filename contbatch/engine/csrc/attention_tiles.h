@@ -32,9 +32,10 @@ inline bool tiles_permitted() {
 // columns (or, in the value pass, 16 pairs of value rows' 16 columns [16, 16, 2], attention_values.h), tile 2 the
 // query heads' 32 columns as 16 pairs [16, group, 2], tiles 3-6 a task's float32 sums of each 16 columns [group, 16]
 // and tile 7 its probabilities of 32 positions [group, 32]. For a run's rows (`kRun`), tiles 0-2 as for lone rows
-// (a row's last positions), and tiles 3-5 [16, 64 bytes]: in the key pass (`run_scores16`) the scores of one query
-// head [16 rows, 16 positions], that head's 32 columns of the 16 rows, 16 key rows' 32 columns as 16 pairs; in the
-// value pass, the sums [16 rows, 16 columns], the probabilities [16 rows, 32 positions], the value rows' pairs.
+// (unused: a run's rows take pairs wherever they do not take `run_scores16`), and tiles 3-5 [16, 64 bytes]: in the
+// key pass (`run_scores16`) the scores of one query head [16 rows, 16 positions], that head's 32 columns of the 16
+// rows, 16 key rows' 32 columns as 16 pairs; in the value pass, the sums [16 rows, 16 columns], the probabilities
+// [16 rows, 32 positions], the value rows' pairs.
 enum class TileUse { kLone, kRun };
 
 // The tile configuration of `use` for `group` query heads (at most 16).
