@@ -42,6 +42,18 @@ struct Stage {
   int64_t stride = 0;
 };
 
+// Whether task t's value pass runs in AMX tiles (attention_values.h): with tiles, for heads of at most
+// kTileColumns columns. Wider heads keep the pair kernels' value pass for every row (alone or in a run, so that each
+// row's output stays the same bits either way): their sums, through memory at each 32 positions, made decode rows
+// 8-10% slower (head_dim 128, docs/performance.md, "a sixty-fifth session").
+template <Scores K, typename T>
+static inline bool weighs_in_tiles(const Task<T>& t) {
+#ifdef CONTBATCH_TILES
+  if constexpr (K == Scores::kTiles) return t.dim <= kTileColumns;
+#endif
+  return false;
+}
+
 // Readies `s` for task t's key pass.
 template <Scores K, typename T>
 static void begin_keys(Stage<T>& s, const Task<T>& t) {
@@ -111,18 +123,19 @@ static CONTBATCH_INLINE void key_chunk(Stage<T>& s, int64_t j0, int64_t end) {
 template <Scores K, typename T>
 static void finish_keys(Stage<T>& s) {
   const Task<T>& t = s.task;
+  const bool tiles = weighs_in_tiles<K>(t);
   s.factors.resize(t.group);
   for (int64_t g = 0; g < t.group; ++g) {
     float* p = s.scores.data() + g * s.stride;
     const float highest = t.sinks ? std::max(max_of(p, s.stride), t.sinks[g]) : max_of(p, s.stride);
 #ifdef CONTBATCH_TILES
-    const float total = K == Scores::kTiles ? exp_in_place16(p, s.stride, highest) : exp_in_place(p, s.stride, highest);
+    const float total = tiles ? exp_in_place16(p, s.stride, highest) : exp_in_place(p, s.stride, highest);
 #else
     const float total = exp_in_place(p, s.stride, highest);
 #endif
     const float sink = t.sinks ? std::exp(t.sinks[g] - highest) : 0.f;
     s.factors[g] = 1.f / (total + sink);
-    if constexpr (K != Scores::kTiles) scale_in_place(p, s.stride, s.factors[g]);
+    if (!tiles) scale_in_place(p, s.stride, s.factors[g]);
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
 }
@@ -136,7 +149,7 @@ __attribute__((noinline)) static void value_rows(const Stage<T>& s, int64_t j0, 
   const Task<T>& t = s.task;
   const int64_t count = std::min<int64_t>(n, t.length - j0), dim = t.dim;
 #ifdef CONTBATCH_TILES
-  if constexpr (K == Scores::kTiles) {
+  if (weighs_in_tiles<K>(t)) {
     const int64_t end = j0 + count, at = (end - t.first) % kValueChunk;
     if (at == 0 || end == t.length) {
       const int64_t start = end - (at == 0 ? kValueChunk : at);
@@ -221,10 +234,10 @@ template <Scores K, typename T>
 static inline void finish_values(const Stage<T>& s) {
   const Task<T>& t = s.task;
 #ifdef CONTBATCH_TILES
-  if constexpr (K == Scores::kTiles) untile_rows(t.out, t.group, t.dim, s.factors.data());
+  if (weighs_in_tiles<K>(t)) untile_rows(t.out, t.group, t.dim, s.factors.data());
 #endif
 #ifdef CONTBATCH_PAIRS
-  if constexpr (K == Scores::kPairs) unpair_rows(t.out, t.group, t.dim);
+  if (K != Scores::kLanes && !weighs_in_tiles<K>(t)) unpair_rows(t.out, t.group, t.dim);
 #endif
   const int64_t count = t.group * t.dim;
   if constexpr (std::is_same_v<T, float>) {

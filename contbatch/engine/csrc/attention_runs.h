@@ -136,7 +136,7 @@ static void attend_run(std::vector<Stage<T>>& stages, const std::vector<Task<T>>
   }
   for (int64_t r = 0; r < count; ++r) finish_keys<K>(stages[r]);
 #ifdef CONTBATCH_TILES
-  if constexpr (K == Scores::kTiles) {
+  if (weighs_in_tiles<K>(lead)) {
     run_value_tiles(stages, count, longest, [&](int64_t j0) {
       if (fetch) prefetch_rows<Loc>(lead.v, lead.slots, j0 + kPrefetchRows, j0 + kPrefetchRows + kValueChunk, longest,
                                     lead.dim);

@@ -1,5 +1,6 @@
 // AMX tiles for the value pass of contbatch's CPU attention (decode_attention.cpp), for a bfloat16 cache where the
-// CPU has AMX (attention_tiles.h): each 32 positions of a row, counted from its first, add to its float32 sums one
+// CPU has AMX (attention_tiles.h) and the head has at most kTileColumns columns (`weighs_in_tiles`,
+// attention_pipeline.h): each 32 positions of a row, counted from its first, add to its float32 sums one
 // tile product per 16 columns, its probabilities rounded to bfloat16 [heads, 32] times the positions' value rows in
 // pairs [16 pairs, 16 columns, 2] (`_tile_dpbf16ps`: float32 sums of exact products). Positions past a row's length
 // weigh zero. A lone row's heads are the tile's rows (`value_tiles`); a run's rows of one head are
@@ -47,7 +48,7 @@ static inline void probs_row(const float* probs, int64_t n, c10::BFloat16* out) 
   _mm512_storeu_si512(out, reinterpret_cast<__m512i>(pairs));
 }
 
-constexpr int64_t kResidentColumns = 64;  // columns whose sums stay in tiles 3-6 over a lone row's value pass
+constexpr int64_t kTileColumns = 64;  // the widest head whose lone row's sums fit in tiles 3-6
 
 // Tile 3 + u: `_tile_dpbf16ps` of the probabilities (tile 7) and 16 columns' pairs (tile 1) into it, its zeroing
 // or its store to out (row stride `stride` bytes). Tile numbers are immediates, hence the switch.
@@ -68,31 +69,19 @@ static CONTBATCH_INLINE void sum_tile(int64_t u, float* out = nullptr, int64_t s
 }
 
 // The task's sums (float32 [group, dim], tile order) += its value rows of positions [j0, j0 + n) (n <= 32) weighted
-// by its probabilities (tiles `kLone`): tile 7 the heads' probabilities, tile 1 each 16 columns' pairs. Up to
-// kResidentColumns, the sums stay in tiles 3-6 from the pass's first chunk (zeroed there) to its last (stored
-// there); past it, each chunk loads and stores them through tile 3. Either way each sum sees the same products.
+// by its probabilities (tiles `kLone`, `weighs_in_tiles`): tile 7 the heads' probabilities, tile 1 each 16 columns'
+// pairs, the sums in tiles 3-6 from the pass's first chunk (zeroed there) to its last (stored there).
 template <typename T>
 static void value_tiles(const Task<T>& t, const float* probs, int64_t stride, int64_t j0, int64_t n,
                         c10::BFloat16* pairs, c10::BFloat16* weights) {
-  const bool resident = t.dim <= kResidentColumns, first = j0 == t.first, last = j0 + n == t.length;
-  const int64_t across = t.dim / 16;
   value_pairs(t.v, t.slots, j0, n, t.dim, pairs);
   for (int64_t g = 0; g < t.group; ++g) probs_row(probs + g * stride, n, weights + g * kValueChunk);
   _tile_loadd(7, weights, 64);
-  for (int64_t u = 0; u < across; ++u) {
-    if (!resident) {
-      _tile_loadd(3, t.out + u * 16, t.dim * 4);
-    } else if (first) {
-      sum_tile<SumOp::kZero>(u);
-    }
+  for (int64_t u = 0; u < t.dim / 16; ++u) {
+    if (j0 == t.first) sum_tile<SumOp::kZero>(u);
     _tile_loadd(1, pairs + u * 16 * 32, 64);
-    if (resident) {
-      sum_tile<SumOp::kAdd>(u);
-      if (last) sum_tile<SumOp::kStore>(u, t.out + u * 16, t.dim * 4);
-    } else {
-      _tile_dpbf16ps(3, 7, 1);
-      _tile_stored(3, t.out + u * 16, t.dim * 4);
-    }
+    sum_tile<SumOp::kAdd>(u);
+    if (j0 + n == t.length) sum_tile<SumOp::kStore>(u, t.out + u * 16, t.dim * 4);
   }
 }
 
