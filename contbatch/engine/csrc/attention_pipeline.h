@@ -98,7 +98,10 @@ static inline void key_rows(Stage<T>& s, int64_t j0) {
     return;
   }
 #endif
-  scores_of_rows<S>(t, rows, count, out, s.stride);
+  if constexpr (S::kWidth == 8)
+    scores_of_rows_apart<S>(t, rows, count, out, s.stride);
+  else
+    scores_of_rows<S>(t, rows, count, out, s.stride);
 }
 
 // The scores of the stage's positions [j0, end), end - j0 <= kValueRows.

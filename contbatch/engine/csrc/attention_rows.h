@@ -77,6 +77,16 @@ static inline void scores_of_rows(const Task<T>& t, const T* const* kr, int64_t 
   }
 }
 
+// `scores_of_rows` out of line, for 8 lanes: inlined into the pipeline's and the runs' loops, GCC kept `scores8`'s
+// 8 accumulators in stack slots too and stored them at every step of its loop over the columns (AVX2 has 16
+// registers), which made a prefill chunk's attention 1.3-1.6x slower on a Zen 3 (docs/performance.md, "a
+// sixty-sixth session"). The same arithmetic either way.
+template <typename S, typename T>
+static __attribute__((noinline)) void scores_of_rows_apart(const Task<T>& t, const T* const* kr, int64_t count,
+                                                           float* out, int64_t stride) {
+  scores_of_rows<S>(t, kr, count, out, stride);
+}
+
 // out[g][c, c + W CN) += sum over the `count` rows i of probs[g * stride + i] * vr[i][c, c + W CN), g < GN: the
 // GN x CN output vectors stay in registers over the rows (independent FMA chains), each row is loaded once.
 template <typename S, int GN, int CN, typename T>
