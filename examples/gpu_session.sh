@@ -28,7 +28,7 @@ REST=(tests/engine/test_attached_model.py tests/engine/test_attention_groups.py 
   tests/engine/test_sleep.py tests/engine/test_step_outputs.py tests/engine/test_touch_limit.py
   tests/engine/test_weights.py tests/engine/test_block_pool.py)
 TRITON_FILES=(tests/engine/test_sleep.py tests/engine/test_cuda_graphs.py tests/engine/test_async_batching.py
-  tests/engine/test_triton_attention.py tests/engine/test_varlen_graphs.py)
+  tests/engine/test_handoff.py tests/engine/test_triton_attention.py tests/engine/test_varlen_graphs.py)
 KERNEL_ON_FILES=(tests/engine/test_parity.py tests/engine/test_cuda_graphs.py tests/engine/test_async_batching.py
   tests/engine/test_bfloat16.py tests/engine/test_sliding_window.py)
 [[ $WHAT == owed ]] && GPU_TEST_FILES=${GPU_TEST_FILES:-owed}
@@ -37,7 +37,7 @@ case ${GPU_TEST_FILES:-} in
   "") ;;
   rest) TEST_FILES=("${REST[@]}") ;;
   owed) TEST_FILES=("${REST[@]}" tests/engine/test_bfloat16.py tests/engine/test_async_batching.py
-               tests/engine/test_unsupported_models.py) ;;
+               tests/engine/test_handoff.py tests/engine/test_unsupported_models.py) ;;
   *) read -r -a TEST_FILES <<<"$GPU_TEST_FILES" ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \

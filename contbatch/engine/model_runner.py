@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from transformers import CompileConfig, PreTrainedModel
@@ -32,6 +31,7 @@ from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, s
 from contbatch.engine.compile_padding import pad_for_compile
 from contbatch.engine.cuda_graphs import CudaGraphBackend, Forward, GraphBackend, GraphSettings, StepGraphs
 from contbatch.engine.fused_modules import fused_forward
+from contbatch.engine.handoff import DrawnStep, PreparedBatch, int_tensor
 from contbatch.engine.head_buffer import reusing_logits
 from contbatch.engine.head_screen import plain_greedy, screen_allowed, screened_forward
 from contbatch.engine.kv_cache import PagedKVCache
@@ -46,7 +46,7 @@ from contbatch.engine.model_support import (
 from contbatch.engine.outputs import ModelRunnerOutput, PromptLogprob
 from contbatch.engine.packed_weights import packed_forward, weights_changed
 from contbatch.engine.prompt_logprobs import prompt_logprobs, prompt_rows
-from contbatch.engine.sampler import Sampler
+from contbatch.engine.sampler import Sampler, SamplerOutput
 from contbatch.engine.structured import apply_bitmask, fill_bitmasks
 
 _SCREENED = "_contbatch_screened_tokens"
@@ -120,12 +120,13 @@ class ModelRunner:
         through the head screen: the result is then a placeholder carrying the tokens, which only `sample`, without
         a mask, may read. The logits rows of prompt logprobs tasks are computed in the same forward, after
         the sampling rows, and become the entries the next `sample` returns. `prepared`: the batch's inputs from
-        `prepare` (made now when None), its carried tokens filled in."""
+        `prepare` (made now when None), with the tokens carried into it (`PreparedBatch.carry`)."""
         self._prompt_logprobs = {}
         batch = prepared if prepared is not None else self.prepare(scheduler_output)
-        input_ids, positions, logits_indices = (tensor.to(self.device) for tensor in (
-            batch.input_ids, batch.positions, batch.logits_indices))
-        metadata = PagedAttentionMetadata(self.cache, batch.slot_mapping.to(self.device), [
+        input_ids = batch.device_input_ids(self.device)
+        positions, logits_indices = (tensor.to(self.device, non_blocking=True) for tensor in (
+            batch.positions, batch.logits_indices))
+        metadata = PagedAttentionMetadata(self.cache, batch.slot_mapping.to(self.device, non_blocking=True), [
             group_to_device(group, self.device) for group in batch.groups
         ])
         self.cache.copy_blocks(scheduler_output.block_copies)
@@ -214,14 +215,20 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.clear()
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, scheduler_output: SchedulerOutput,
                logits_mask: torch.Tensor | None = None, live: list[bool] | None = None) -> ModelRunnerOutput:
-        """Chooses the token of every sampling target of the step from `logits` (as returned by `execute`).
-        `logits_mask` ([targets, vocab] bool, True = allowed), when given, removes tokens before sampling (the
-        hook for grammar bitmasks); removed tokens are -inf in both "raw" and "processed" logprobs (never in
-        prompt logprobs). `live` (one flag per target), when given, leaves out the targets flagged False (ended
-        while the step was in flight). The output carries the prompt logprobs of the latest `execute`."""
+        """`draw`, resolved on the host."""
+        return self.draw(logits, scheduler_output, logits_mask, live).resolve()
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, scheduler_output: SchedulerOutput,
+             logits_mask: torch.Tensor | None = None, live: list[bool] | None = None) -> DrawnStep:
+        """Chooses the token of every sampling target of the step from `logits` (as returned by `execute`), on
+        the logits' device (`DrawnStep.resolve` brings them to the host). `logits_mask` ([targets, vocab] bool,
+        True = allowed), when given, removes tokens before sampling (the hook for grammar bitmasks); removed
+        tokens are -inf in both "raw" and "processed" logprobs (never in prompt logprobs). `live` (one flag per
+        target), when given, leaves out the targets flagged False (ended while the step was in flight). The
+        result carries the prompt logprobs of the latest `execute`, so it must be drawn before the next one."""
         prompt, self._prompt_logprobs = self._prompt_logprobs, {}
         targets = scheduler_output.sampling_targets
         screened: torch.Tensor | None = getattr(logits, _SCREENED, None)
@@ -233,32 +240,20 @@ class ModelRunner:
                 logits_mask = logits_mask[torch.tensor(live)]
         elif len(targets) != logits.shape[0]:  # n samples of a prompt share its logits row
             rows = scheduler_output.sampling_rows
+        request_ids = [target.request_id for target in targets]
         if screened is not None:
             if logits_mask is not None:
                 raise ValueError("a step served by the head screen has no logits to mask")
             tokens = screened if rows is None else screened[torch.tensor(rows, dtype=torch.long)]
-            return ModelRunnerOutput(request_ids=[target.request_id for target in targets],
-                                     sampled_token_ids=tokens.tolist(), prompt_logprobs=prompt)
+            return DrawnStep(request_ids, SamplerOutput(tokens, None), prompt)
         if rows is not None:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         if logits_mask is not None:
             logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
         logits = _apply_grammars(logits, targets)
-        sampled = self.sampler.sample(logits, [t.params for t in targets], [t.generator for t in targets],
-                                      [t.history for t in targets] if any(t.history for t in targets) else None)
-        top = None
-        if sampled.top_logprobs is not None:
-            values, ids = sampled.top_logprobs
-            top = [tuple(zip(row_ids, row_values, strict=True))
-                   for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
-        return ModelRunnerOutput(
-            request_ids=[target.request_id for target in targets],
-            sampled_token_ids=sampled.token_ids.tolist(),
-            logprobs=sampled.logprobs.tolist() if sampled.logprobs is not None else None,
-            top_logprobs=top,
-            prompt_logprobs=prompt,
-            beam_scores=_beam_scores(logits, targets),
-        )
+        sampled = self.sampler.draw(logits, [t.params for t in targets], [t.generator for t in targets],
+                                    [t.history for t in targets] if any(t.history for t in targets) else None)
+        return DrawnStep(request_ids, sampled, prompt, _beam_scores(logits, targets))
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedBatch:
         """Builds, on the host, input ids, positions, the indices of the logits rows to compute (the sampling
@@ -307,37 +302,6 @@ class ModelRunner:
         return groups
 
 
-@dataclass
-class PreparedBatch:
-    """A batch's inputs, built on the host by `ModelRunner.prepare`; `execute` moves them to the device.
-
-    Attributes:
-        input_ids, positions: [num_tokens], the packed batch.
-        logits_indices: the packed indices of the logits rows to compute.
-        slot_mapping: [cache groups, num_tokens], the cache slot of each token.
-        groups: the attention groups.
-        carried_rows, carried_ids: the packed indices of the placeholders of carried tokens
-            (`ScheduledRequest.carried`) and their requests.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_indices: torch.Tensor
-    slot_mapping: torch.Tensor
-    groups: list[AttentionGroup]
-    carried_rows: list[int]
-    carried_ids: list[str]
-
-    def fill_carried(self, tokens: Mapping[str, int]) -> None:
-        """Puts in each carried placeholder the token its request sampled (`tokens`, by request id). A request
-        without one (it failed or ended) keeps the placeholder: its row's results are never used."""
-        known = [(row, tokens[request_id]) for row, request_id in zip(self.carried_rows, self.carried_ids,
-                                                                      strict=True) if request_id in tokens]
-        if known:
-            rows, values = zip(*known, strict=True)
-            self.input_ids[list(rows)] = torch.tensor(values, dtype=self.input_ids.dtype)
-
-
 def _parameter_addresses(model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(parameter.data_ptr() for parameter in model.parameters())
 
@@ -365,13 +329,6 @@ def _apply_grammars(logits: torch.Tensor, targets: list[SamplingTarget]) -> torc
     logits = logits.clone()
     apply_bitmask(logits, bitmask, rows)
     return logits
-
-
-def int_tensor(values: Iterable[int]) -> torch.Tensor:
-    """A CPU int64 tensor of `values`, built through an `array` (several times faster than `torch.tensor` on a
-    list of Python ints: the host builds one per step and per batch input)."""
-    buffer = array("q", values)
-    return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.empty(0, dtype=torch.int64)
 
 
 def _block_tables(scheduled: list[ScheduledRequest]) -> torch.Tensor:

@@ -19,18 +19,29 @@ class SamplerOutput:
     """The tokens chosen for one batch.
 
     Attributes:
-        token_ids: [N] int64 on CPU; row i is the token chosen for the request of logits row i.
-        logprobs: [N] float32 on CPU: for each row that asked for logprobs, log_softmax at the chosen token of
+        token_ids: [N] int64; row i is the token chosen for the request of logits row i.
+        logprobs: [N] float32: for each row that asked for logprobs, log_softmax at the chosen token of
             the distribution its `logprobs_mode` names (see `SamplingParams`); the values of the other rows are
             unspecified. None when no row asked.
         top_logprobs: ([N, k] log-probabilities, [N, k] token ids) of each asking row's k most likely tokens
-            under that distribution, k the largest `top_logprobs` asked for in the batch, on CPU; tokens that
-            top-k or top-p removed have log-probability -inf. None when no row asked.
+            under that distribution, k the largest `top_logprobs` asked for in the batch; tokens that top-k or
+            top-p removed have log-probability -inf. None when no row asked.
+
+    All on one device: the logits' (`Sampler.draw`) or the CPU (`Sampler.sample`).
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplerOutput:
+        """The same output on `device` (`Tensor.to` of each tensor: itself where it is there already)."""
+        top = self.top_logprobs
+        return SamplerOutput(
+            self.token_ids.to(device, non_blocking=non_blocking),
+            None if self.logprobs is None else self.logprobs.to(device, non_blocking=non_blocking),
+            None if top is None else (top[0].to(device, non_blocking=non_blocking),
+                                      top[1].to(device, non_blocking=non_blocking)))
 
 
 DRAW_CANDIDATES = 4096
@@ -82,7 +93,18 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
-        """Chooses one token per row of `logits`.
+        """`draw`, its output moved to the CPU."""
+        return self.draw(logits, params, generators, histories).to("cpu")
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory | None] | None = None,
+    ) -> SamplerOutput:
+        """Chooses one token per row of `logits`, leaving the results on the logits' device: on a GPU a greedy
+        batch draws without waiting for the device (a sampled row may wait once, in `_kept_tokens`).
 
         Args:
             logits: [N, vocab] float logits, on any device; all work stays on that device.
@@ -97,7 +119,7 @@ class Sampler:
                 to greedy rows too, as in `generate`.
 
         Returns:
-            The chosen tokens and, when any row asked, their log-probabilities, moved to CPU. Processed
+            The chosen tokens and, when any row asked, their log-probabilities. Processed
             logprobs reuse the scores and normaliser the tokens were drawn with: no second pass of processing.
 
         Raises:
@@ -124,7 +146,7 @@ class Sampler:
             else:
                 token_ids[rows] = chosen
         logprobs, top = _logprobs(_logprobs_base(logits, adjusted, params), token_ids, params, processed)
-        return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs, top_logprobs=top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -272,7 +294,7 @@ def _logprobs_base(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequenc
 def _logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams], processed: _Processed | None
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The `SamplerOutput` logprobs and top logprobs of the batch, on CPU; (None, None) when no row asks.
+    """The `SamplerOutput` logprobs and top logprobs of the batch; (None, None) when no row asks.
     Sampled rows in "processed" mode are read from `processed` (which holds every sampled row), the others
     from `logits` (see `_logprobs_base`); the pass over `logits` is skipped when no row needs it."""
     if not any(p.wants_logprobs for p in params):
@@ -280,11 +302,11 @@ def _logprobs(
     k = max(p.top_logprobs for p in params)
     targets = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs and p.do_sample]
     if processed is None or not targets:
-        return _to_cpu(*_read(logits.float(), None, token_ids, k))
+        return _read(logits.float(), None, token_ids, k)
     dest = torch.tensor(targets, device=token_ids.device)
     values, top = _read_processed(processed, targets, token_ids.index_select(0, dest), k)
     if len(targets) == len(params):
-        return _to_cpu(values, top)
+        return values, top
     if any(p.wants_logprobs and not (p.processed_logprobs and p.do_sample) for p in params):
         base, base_top = _read(logits.float(), None, token_ids, k)
     else:
@@ -294,7 +316,7 @@ def _logprobs(
     base = base.index_copy(0, dest, values)
     if top is not None and base_top is not None:
         base_top = (base_top[0].index_copy(0, dest, top[0]), base_top[1].index_copy(0, dest, top[1]))
-    return _to_cpu(base, base_top)
+    return base, base_top
 
 
 def _read_processed(
@@ -322,12 +344,6 @@ def _read(
         return values, None
     top_values, top_ids = scores.topk(k, dim=-1)
     return values, (top_values - log_norm, top_ids)
-
-
-def _to_cpu(
-    values: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    return values.cpu(), None if top is None else (top[0].cpu(), top[1].cpu())
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:

@@ -11,8 +11,9 @@ import torch
 from contbatch.engine.batch import ScheduledRequest, SchedulerOutput
 from contbatch.engine.beam_search import BeamSearch
 from contbatch.engine.block_pool import BlockPool
+from contbatch.engine.handoff import DrawnStep, PreparedBatch
 from contbatch.engine.head_screen import allow_screen
-from contbatch.engine.model_runner import ModelRunner, PreparedBatch
+from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.openmp import release_thread_pool
 from contbatch.engine.outputs import ModelRunnerOutput, RequestDelta
 from contbatch.engine.request import RequestStatus
@@ -80,10 +81,12 @@ class StepPipeline:
 
     Async batching (`overlap` True): each `step` schedules batch N+1 and builds its inputs while batch N's
     forward runs (on a worker thread on a CPU, on the GPU once launched: `ForwardWorker`); then it samples N,
-    starts N+1's forward with the tokens N sampled carried into it (`PreparedBatch.fill_carried`), and updates
-    N's requests while N+1 runs. It returns N's deltas, so one step's deltas come one `step` call later than
-    synchronously. A request that ends with N (a stop token, a cancel) computed one token of N+1 for nothing: its
-    results are dropped, its blocks are free for later steps. Tokens are those of the synchronous engine (seeded
+    starts N+1's forward with the tokens N sampled carried into it on the device (`PreparedBatch.carry`), and
+    only then waits for N's tokens on the host (`DrawnStep.resolve`: on a GPU, N+1 is launched before N's
+    tokens reach the host, as in vLLM v1's async scheduling) and updates N's requests while N+1 runs. It
+    returns N's deltas, so one step's deltas come one `step` call later than synchronously. A request that ends
+    with N (a stop token, a cancel) computed one token of N+1 for nothing: its results are dropped, its blocks
+    are free for later steps. Tokens are those of the synchronous engine (seeded
     sampling included), logprobs too up to rounding: only which requests share a batch may differ. Requests N+1
     cannot continue before N's results are known are left for the step after (`Request.can_schedule_ahead`);
     while beam groups run, steps are synchronous.
@@ -125,7 +128,7 @@ class StepPipeline:
         come with the next `step`."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            result = self._collect(in_flight)
+            result = _resolve(self._collect(in_flight))
             self._undelivered += self._update(in_flight.output, result)
 
     def release_thread_pools(self) -> None:
@@ -173,28 +176,29 @@ class StepPipeline:
             except Exception as error:
                 deltas += self._fail_batch(upcoming.requests, _describe(error))
         previous, self._in_flight = self._in_flight, None
-        result: ModelRunnerOutput | str | None = None
+        drawn: DrawnStep | str | None = None
         if previous is not None:
             timer.scheduled(self.scheduler, previous.output)
-            result = self._collect(previous, timer)
+            drawn = self._collect(previous, timer)
         if prepared is not None:
-            if isinstance(result, ModelRunnerOutput):
-                prepared.fill_carried(dict(zip(result.request_ids, result.sampled_token_ids, strict=True)))
+            if isinstance(drawn, DrawnStep):
+                prepared.carry(drawn)
             self._in_flight = InFlight(upcoming, self._worker.submit(self.model_runner, upcoming, prepared))
         if previous is not None:
-            deltas += self._update(previous.output, result)
+            deltas += self._update(previous.output, _resolve(drawn))
         elif upcoming.is_empty:
             deltas += self._fail_unschedulable()
         return self.beam_search.update(deltas, {})
 
-    def _collect(self, in_flight: InFlight, timer: StepTimer | None = None) -> ModelRunnerOutput | str:
-        """Waits for the forward of `in_flight` and samples its live targets; a failure's description instead."""
+    def _collect(self, in_flight: InFlight, timer: StepTimer | None = None) -> DrawnStep | str:
+        """Waits for the forward of `in_flight` (on a GPU, for its launch) and draws its live targets' tokens; a
+        failure's description instead."""
         try:
             logits = in_flight.logits.result()
             if timer is not None:
                 timer.forwarded()
             live = [target.request_id in self.scheduler.requests for target in in_flight.output.sampling_targets]
-            result = self.model_runner.sample(logits, in_flight.output, live=live)
+            result = self.model_runner.draw(logits, in_flight.output, live=live)
         except Exception as error:
             return _describe(error)
         if timer is not None:
@@ -237,6 +241,16 @@ def _forward_thread_setup(num_threads: int, device: torch.device) -> None:
     torch.set_num_threads(num_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def _resolve(drawn: DrawnStep | str | None) -> ModelRunnerOutput | str | None:
+    """`drawn`'s output on the host, or the description of why there is none."""
+    if not isinstance(drawn, DrawnStep):
+        return drawn
+    try:
+        return drawn.resolve()
+    except Exception as error:
+        return _describe(error)
 
 
 def _describe(error: Exception) -> str:

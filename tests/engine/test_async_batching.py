@@ -11,7 +11,7 @@ import torch
 from contbatch import ContinuousBatchingConfig, LLMEngine
 from contbatch.engine.batch import SchedulerOutput
 from contbatch.engine.cuda_graphs import EagerReplay, GraphSettings, StepGraphs
-from contbatch.engine.model_runner import PreparedBatch
+from contbatch.engine.handoff import PreparedBatch
 from contbatch.engine.outputs import EventType
 from contbatch.engine.request import RequestStatus
 from contbatch.engine.step_pipeline import ForwardWorker, StepPipeline, resolve_async_batching
