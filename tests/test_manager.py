@@ -172,7 +172,7 @@ def test_full_queue_blocks_then_raises_and_frees_when_admitted() -> None:
     manager.stop()
 
 
-@pytest.mark.parametrize("stage", ["model_runner.execute", "sampler.sample"])
+@pytest.mark.parametrize("stage", ["model_runner.execute", "sampler.draw"])
 def test_a_failing_forward_or_sampler_fails_its_batch_only(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = new_manager()
     owner_name, method_name = stage.split(".")
