@@ -33,8 +33,8 @@ class DrawnStep:
     sampled: SamplerOutput
     prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
     beam_scores: dict[str, torch.Tensor] = field(default_factory=dict)
-    _host: SamplerOutput | None = None
-    _copied: torch.cuda.Event | None = None
+    _host: SamplerOutput | None = field(default=None, init=False, repr=False)
+    _copied: torch.cuda.Event | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         device = self.sampled.token_ids.device
@@ -86,7 +86,7 @@ class PreparedBatch:
     groups: list[AttentionGroup]
     carried_rows: list[int]
     carried_ids: list[str]
-    _carry: tuple[torch.Tensor, torch.Tensor] | None = None
+    _carry: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def carry(self, drawn: DrawnStep) -> None:
         """Takes each carried placeholder's token from `drawn`, the step before (by request id), as the device

@@ -86,13 +86,9 @@ class _Processed:
 class Sampler:
     """Greedy, temperature, top-k and top-p sampling, vectorised across the rows of a batch."""
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        histories: Sequence[TokenHistory | None] | None = None,
-    ) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None],
+               histories: Sequence[TokenHistory | None] | None = None) -> SamplerOutput:
         """`draw`, its output moved to the CPU."""
         return self.draw(logits, params, generators, histories).to("cpu")
 
