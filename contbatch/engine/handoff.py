@@ -18,10 +18,10 @@ from contbatch.engine.sampler import SamplerOutput
 class DrawnStep:
     """A step's draws (`ModelRunner.draw`): `sampled` on the logits' device, row i for `request_ids[i]`.
 
-    On a CUDA device the copies of `sampled` to the host start when the step is drawn (`start`: into pinned
-    memory, with an event recorded after them on the device's stream), so that `resolve` waits for this step's
-    sampling alone, not for the forward launched after it; that forward reads the tokens on the device
-    (`PreparedBatch.carry`). Elsewhere `sampled` is already on the host and nothing waits.
+    On a CUDA device the copies of `sampled` to the host start as the step is made (into pinned memory, with an
+    event recorded after them on the device's stream), so that `resolve` waits for this step's sampling alone,
+    not for the forward launched after it; that forward reads the tokens on the device (`PreparedBatch.carry`).
+    Elsewhere `sampled` is already on the host and nothing waits.
 
     Attributes:
         request_ids: the sampling targets' requests, in order.

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from contbatch.engine.device_values import device_tensor
 from contbatch.engine.sampling_params import SamplingParams
 
 
@@ -50,7 +51,7 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError("logits processors need the token history of every row that uses them")
     scores = logits.float().clone()
     chosen = [params[i] for i in rows]
-    index = torch.tensor(rows, device=scores.device)
+    index = device_tensor(rows, scores.device)
     part = scores.index_select(0, index)
     part = _add_biases(part, chosen, seen)
     part = _repetition_penalty(part, chosen, seen)
@@ -133,7 +134,7 @@ def _ban(scores: torch.Tensor, params: Sequence[SamplingParams], histories: Sequ
         return scores
     rows, tokens = zip(*banned, strict=True)
     return scores.index_put_(_indices(rows, tokens, scores.device),
-                             torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device))
+                             device_tensor(float("-inf"), scores.device, scores.dtype))
 
 
 def _presence(scores: torch.Tensor, rows: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -150,13 +151,13 @@ def _flat_indices(rows: Sequence[int], token_lists: Sequence[Sequence[int]],
     lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
     row_index = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
     tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    return row_index.to(device), tokens.to(device)
+    return row_index.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
 
 
 def _indices(rows: Sequence[int], tokens: Sequence[int],
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device))
+    return device_tensor(rows, device, torch.long), device_tensor(tokens, device, torch.long)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return device_tensor(values, like.device, like.dtype)[:, None]

@@ -30,6 +30,7 @@ from contbatch.engine.batch import SamplingTarget, ScheduledRequest, SchedulerOu
 from contbatch.engine.compile import COMPILED_MARKER, shared_compiled_forward, step_metadata
 from contbatch.engine.compile_padding import pad_for_compile
 from contbatch.engine.cuda_graphs import CudaGraphBackend, Forward, GraphBackend, GraphSettings, StepGraphs
+from contbatch.engine.device_values import device_tensor
 from contbatch.engine.fused_modules import fused_forward
 from contbatch.engine.handoff import DrawnStep, PreparedBatch, int_tensor
 from contbatch.engine.head_buffer import reusing_logits
@@ -247,9 +248,9 @@ class ModelRunner:
             tokens = screened if rows is None else screened[torch.tensor(rows, dtype=torch.long)]
             return DrawnStep(request_ids, SamplerOutput(tokens, None), prompt)
         if rows is not None:
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            logits = logits[device_tensor(rows, logits.device, torch.long)]
         if logits_mask is not None:
-            logits = logits.masked_fill(~logits_mask.to(logits.device), float("-inf"))
+            logits = logits.masked_fill(~logits_mask.to(logits.device, non_blocking=True), float("-inf"))
         logits = _apply_grammars(logits, targets)
         sampled = self.sampler.draw(logits, [t.params for t in targets], [t.generator for t in targets],
                                     [t.history for t in targets] if any(t.history for t in targets) else None)
@@ -313,7 +314,7 @@ def _beam_scores(logits: torch.Tensor, targets: list[SamplingTarget]) -> dict[st
     if not rows:
         return {}
     beams = [targets[row] for row in rows]
-    log_probs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
+    log_probs = torch.log_softmax(logits[device_tensor(rows, logits.device)].float(), dim=-1)
     scores = apply_processors(log_probs, [t.params for t in beams], [t.history for t in beams]).cpu()
     return {target.request_id: scores[j] for j, target in enumerate(beams)}
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from contbatch.engine.cpu_kernels import greedy_tokens, row_draw_kernel
+from contbatch.engine.device_values import device_tensor
 from contbatch.engine.logits_processors import TokenHistory, apply_processors
 from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.warpers import mask_min_p, mask_top_k_top_p
@@ -133,7 +134,7 @@ class Sampler:
         token_ids = adjusted.new_empty(0, dtype=torch.long) if whole else greedy_tokens(adjusted)
         processed = None
         if sampled:
-            rows = None if whole else torch.tensor(sampled, device=logits.device)
+            rows = None if whole else device_tensor(sampled, logits.device)
             processed = _process(adjusted if rows is None else adjusted.index_select(0, rows),
                                  params if whole else [params[i] for i in sampled], sampled)
             chosen = _draw(processed, generators if whole else [generators[i] for i in sampled])
@@ -161,7 +162,7 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[
     if len(set(temperatures)) == 1:
         scores = scores if temperatures[0] == 1.0 else scores / temperatures[0]
     else:
-        scores = scores / torch.tensor(temperatures, dtype=torch.float32, device=scores.device)[:, None]
+        scores = scores / device_tensor(temperatures, scores.device, torch.float32)[:, None]
     masked, candidates = mask_top_k_top_p(scores, params)
     processed = mask_min_p(masked, params)
     return _Processed(rows, processed, candidates, warped=processed is not scores)
@@ -283,7 +284,7 @@ def _logprobs_base(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequenc
     rows = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs and not p.do_sample]
     if not rows:
         return logits
-    index = torch.tensor(rows, device=logits.device)
+    index = device_tensor(rows, logits.device)
     return logits.float().index_copy(0, index, adjusted.index_select(0, index))
 
 
@@ -299,7 +300,7 @@ def _logprobs(
     targets = [i for i, p in enumerate(params) if p.wants_logprobs and p.processed_logprobs and p.do_sample]
     if processed is None or not targets:
         return _read(logits.float(), None, token_ids, k)
-    dest = torch.tensor(targets, device=token_ids.device)
+    dest = device_tensor(targets, token_ids.device)
     values, top = _read_processed(processed, targets, token_ids.index_select(0, dest), k)
     if len(targets) == len(params):
         return values, top
@@ -322,7 +323,7 @@ def _read_processed(
     scores, log_norm = processed.scores, processed.log_norm
     if len(targets) < len(processed.rows):
         wanted = set(targets)
-        index = torch.tensor([j for j, row in enumerate(processed.rows) if row in wanted], device=scores.device)
+        index = device_tensor([j for j, row in enumerate(processed.rows) if row in wanted], scores.device)
         scores, log_norm = scores.index_select(0, index), log_norm.index_select(0, index)
     return _read(scores, log_norm, token_ids, k)
 

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from contbatch.engine.device_values import device_tensor
+
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher
     from transformers import PreTrainedTokenizerBase
@@ -323,11 +325,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: Sequence
         raise ValueError(f"indices must be distinct rows of the {logits.shape[0]} logits rows, got {rows}")
     if not rows:
         return
-    disallowed = ~_unpack(bitmask.to(logits.device), logits.shape[1])
+    disallowed = ~_unpack(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
     if indices is None:
         logits.masked_fill_(disallowed, float("-inf"))
         return
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = device_tensor(rows, logits.device, torch.long)
     selected = logits.index_select(0, index).masked_fill_(disallowed, float("-inf"))
     logits.index_copy_(0, index, selected)
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from contbatch.engine.device_values import device_tensor
 from contbatch.engine.sampling_params import SamplingParams
 
 NUCLEUS_CANDIDATES = 256
@@ -35,7 +36,7 @@ def mask_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> 
     masked = scores.clone()
     for kind in groups:
         rows = [i for i, row_kind in enumerate(kinds) if row_kind == kind]
-        index = torch.tensor(rows, device=scores.device)
+        index = device_tensor(rows, scores.device)
         masked[index] = _mask_group(scores.index_select(0, index), [params[i] for i in rows], kind)[0]
     return masked, None
 
@@ -79,8 +80,7 @@ def _mask_sorted(scores: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 def _top_ps(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
     """[M, 1] top-p thresholds; rows without top-p get an unreachable one (rounding could push their cumulative
     mass past 1.0)."""
-    return torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32,
-                        device=device)[:, None]
+    return device_tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device, torch.float32)[:, None]
 
 
 def _mask_ranked(scores: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor, top_ps: torch.Tensor,
@@ -98,5 +98,5 @@ def mask_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     if not any(p.min_p > 0 for p in params):
         return scores
     probs = torch.softmax(scores, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)[:, None]
+    min_p = device_tensor([p.min_p for p in params], probs.device, probs.dtype)[:, None]
     return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))

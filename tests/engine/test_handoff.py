@@ -8,7 +8,8 @@ import torch
 
 from contbatch.engine.attention import AttentionGroup
 from contbatch.engine.handoff import DrawnStep, PreparedBatch, int_tensor
-from contbatch.engine.sampler import SamplerOutput
+from contbatch.engine.sampler import Sampler, SamplerOutput
+from contbatch.engine.sampling_params import SamplingParams
 from contbatch.engine.step_pipeline import ForwardWorker
 from tests.helpers import TEST_DEVICE, make_engine, random_prompts, reference_generate, run_engine, tiny_model
 
@@ -77,3 +78,32 @@ def test_async_batching_launches_the_next_step_before_reading_the_drawn_tokens(
     assert sum(ahead) >= 6, f"decode steps launched ahead of their tokens: {ahead}"
     for index, prompt in enumerate(prompts):
         assert outputs[f"r{index}"].generated_tokens == reference_generate(model, prompt, 8), f"r{index}"
+
+
+GPU_DRAWS = {
+    "greedy": SamplingParams(),
+    "top-p": SamplingParams(do_sample=True, top_p=0.9),
+    "top-k-temperature-min-p": SamplingParams(do_sample=True, top_k=20, temperature=0.7, min_p=0.05),
+    "logprobs": SamplingParams(do_sample=True, top_p=0.8, logprobs=True, top_logprobs=3),
+}
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="checks that the host never waits for a CUDA device")
+@pytest.mark.parametrize("params", GPU_DRAWS.values(), ids=GPU_DRAWS)
+def test_drawing_and_carrying_never_wait_for_the_gpu(params: SamplingParams) -> None:
+    """A step is drawn, its tokens carried into the next step's input ids and their copies to the host started
+    without one synchronisation (`torch.cuda.set_sync_debug_mode` raises at any): the host may launch the next
+    forward while the device still computes. Mixed rows (half greedy) index their rows on the device too."""
+    logits = torch.randn(8, 300, device=TEST_DEVICE)
+    rows = [params if row % 2 else SamplingParams() for row in range(8)]
+    prepared = _prepared([1, 0, 2, 0], carried_rows=[1, 3], carried_ids=["r3", "r0"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = DrawnStep([f"r{row}" for row in range(8)], Sampler().draw(logits, rows, [None] * 8))
+        prepared.carry(drawn)
+        input_ids = prepared.device_input_ids(TEST_DEVICE)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens = drawn.resolve().sampled_token_ids
+    assert input_ids.tolist() == [1, tokens[3], 2, tokens[0]]
