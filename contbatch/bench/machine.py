@@ -4,6 +4,7 @@ kernels contbatch built there."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -74,7 +75,7 @@ def describe_machine(cpu: CpuInfo | None = None) -> list[str]:
         lines.append(f"CPU flags: has {has}; lacks {lacks}; ATen's vector ISA "
                      f"{torch.backends.cpu.get_cpu_capability()}")
     lines.append(f"software: torch {torch.__version__}, transformers {transformers.__version__}, contbatch "
-                 f"{_contbatch_version()}")
+                 f"{contbatch_version()}")
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         lines.append(f"GPU: {torch.cuda.get_device_name(index)} (compute capability "
@@ -84,9 +85,11 @@ def describe_machine(cpu: CpuInfo | None = None) -> list[str]:
     return lines
 
 
-def _contbatch_version() -> str:
+@functools.cache
+def contbatch_version() -> str:
     """The installed version, and the commit of the checkout it runs from where it runs from one ("+" when its
-    tracked files have changes)."""
+    tracked files have changes), as read at the first call: a bench reads it as it starts (`contbatch bench`), so
+    that a commit made while it runs does not name the code it ran."""
     try:
         installed = version("contbatch")
     except PackageNotFoundError:

@@ -105,7 +105,9 @@ def _bench(args: argparse.Namespace) -> int:
         ValueError: `--engines` names no engine or an unknown one.
     """
     from contbatch.bench.decoding import GREEDY, decoding_of
+    from contbatch.bench.machine import contbatch_version
 
+    contbatch_version()
     if decoding_of(args) != GREEDY and not args.serve and args.workload != "throughput":
         raise ValueError(f"--temperature, --top-p and --top-k apply to the throughput workload and --serve; "
                          f"--workload {args.workload} decodes as its own table says")

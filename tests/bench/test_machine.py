@@ -117,3 +117,20 @@ def test_the_malloc_line_says_whether_engines_tune_it(monkeypatch: pytest.Monkey
     assert describe_malloc() == "malloc: libtcmalloc_minimal.so.4 (LD_PRELOAD), which glibc's settings do not reach"
     monkeypatch.setattr(malloc_tuning.platform, "libc_ver", lambda: ("", ""))
     assert describe_malloc() == "malloc: the C library's defaults (not glibc)"
+
+
+def test_the_commit_named_is_the_one_read_when_the_bench_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit made while a bench runs must not name the code it ran: the version is read once, at the start."""
+    package = Path(machine.__file__).resolve().parent.parent
+    heads = iter(["1111111aaaa", "2222222bbbb"])
+
+    def git(directory: Path, *arguments: str) -> str:
+        return f"{package.parent} {next(heads)}" if arguments[0] == "rev-parse" else ""
+
+    monkeypatch.setattr(machine, "_git", git)
+    machine.contbatch_version.cache_clear()
+    try:
+        assert machine.contbatch_version().endswith("(commit 1111111)")
+        assert "(commit 1111111)" in describe_machine()[2], "read again after the start"
+    finally:
+        machine.contbatch_version.cache_clear()
