@@ -382,7 +382,7 @@ class PagedKVCache:
         src = (torch.tensor([s for s, _ in copies]).unsqueeze(1) * size + offsets).reshape(-1)
         dst = (torch.tensor([d for _, d in copies]).unsqueeze(1) * size + offsets).reshape(-1)
         device = self._storage.device
-        src, dst = src.to(device), dst.to(device)
+        src, dst = src.to(device, non_blocking=True), dst.to(device, non_blocking=True)
         if not self.spec.layer_shapes:
             self._storage.index_copy_(3, dst, self._storage.index_select(3, src))
             return
