@@ -79,17 +79,16 @@ class StepPipeline:
     Synchronous (`overlap` False): each `step` schedules a batch, runs its forward, samples and updates its
     requests, and returns their deltas.
 
-    Async batching (`overlap` True): each `step` schedules batch N+1 and builds its inputs while batch N's
-    forward runs (on a worker thread on a CPU, on the GPU once launched: `ForwardWorker`); then it samples N,
-    starts N+1's forward with the tokens N sampled carried into it on the device (`PreparedBatch.carry`), and
-    only then waits for N's tokens on the host (`DrawnStep.resolve`: on a GPU, N+1 is launched before N's
-    tokens reach the host, as in vLLM v1's async scheduling) and updates N's requests while N+1 runs. It
-    returns N's deltas, so one step's deltas come one `step` call later than synchronously. A request that ends
-    with N (a stop token, a cancel) computed one token of N+1 for nothing: its results are dropped, its blocks
-    are free for later steps. Tokens are those of the synchronous engine (seeded
-    sampling included), logprobs too up to rounding: only which requests share a batch may differ. Requests N+1
-    cannot continue before N's results are known are left for the step after (`Request.can_schedule_ahead`);
-    while beam groups run, steps are synchronous.
+    Async batching (`overlap` True): each `step` schedules batch N+1 and builds its inputs while batch N's forward
+    runs (on a worker thread on a CPU, on the GPU once launched: `ForwardWorker`); then it samples N, starts N+1's
+    forward with the tokens N sampled carried into it on the device (`PreparedBatch.carry`), and only then waits for
+    N's tokens on the host (`DrawnStep.resolve`: on a GPU, N+1 is launched before N's tokens reach the host, as in
+    vLLM v1's async scheduling) and updates N's requests while N+1 runs. It returns N's deltas, so one step's deltas
+    come one `step` call later than synchronously. A request that ends with N (a stop token, a cancel) computed one
+    token of N+1 for nothing: its results are dropped, its blocks are free for later steps. Tokens are those of the
+    synchronous engine (seeded sampling included), logprobs too up to rounding: only which requests share a batch
+    may differ. Requests N+1 cannot continue before N's results are known are left for the step after
+    (`Request.can_schedule_ahead`); while beam groups run, steps are synchronous.
 
     Step timings (`StepTimer`) describe the batch whose forward a step waited for: "scheduled" is when the
     engine thread began waiting for it, having prepared the next.
