@@ -100,8 +100,8 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
-        """Chooses one token per row of `logits`, leaving the results on the logits' device: on a GPU a greedy
-        batch draws without waiting for the device (a sampled row may wait once, in `_kept_tokens`).
+        """Chooses one token per row of `logits`, leaving the results on the logits' device. On a GPU nothing in it
+        waits for the device (no synchronisation), so the host may launch the next step's forward at once.
 
         Args:
             logits: [N, vocab] float logits, on any device; all work stays on that device.
