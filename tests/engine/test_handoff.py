@@ -44,9 +44,7 @@ def test_a_batch_without_carried_tokens_or_without_a_match_is_left_as_built() ->
 
 
 def test_a_drawn_step_resolves_to_its_host_output() -> None:
-    drawn = _drawn(["a", "b", "c"], [4, 5, 6])
-    assert drawn.sampled.token_ids.device.type == TEST_DEVICE.type, "the draw stays where the logits are"
-    output = drawn.resolve()
+    output = _drawn(["a", "b", "c"], [4, 5, 6]).resolve()
     assert output.request_ids == ["a", "b", "c"]
     assert output.sampled_token_ids == [4, 5, 6]
     assert output.logprobs == [0.0, -0.25, -0.5]
