@@ -218,6 +218,23 @@ def test_a_large_product_goes_into_the_threads_reused_buffer(monkeypatch: pytest
     assert storages[0] is storages[1] is storages[2] and storages[0].numel() == 64 * 1003 * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """The candidates' logits are computed by token, one head row against up to four hidden rows at once, each in
+    the order one row alone is summed in: every row's token equals the one it gets alone, in batches of 2 to 64 rows
+    (tails of 1-3 rows) whose candidates overlap (half the rows point along head row 7, which rows 11 and 12 tie
+    within float32 rounding) and with k = 72 (a scalar tail after the vector chains)."""
+    weight, hidden = _head_and_hidden(1003, 72, 64)
+    weight, hidden = weight.to(dtype), hidden.to(dtype).float()
+    hidden = hidden[torch.randperm(64, generator=torch.Generator().manual_seed(3))].contiguous()
+    screen = build_screen(weight)
+    assert screen is not None
+    alone = torch.cat([screen_tokens(hidden[i:i + 1].contiguous(), weight, screen) for i in range(64)])
+    assert len(set(alone.tolist()) & {7, 11, 12}) >= 1 and len(set(alone.tolist())) > 10
+    for rows in (2, 3, 5, 9, 64):
+        assert torch.equal(screen_tokens(hidden[:rows].contiguous(), weight, screen), alone[:rows])
+
+
 def test_a_row_that_is_not_finite_gets_no_token() -> None:
     weight, hidden = _head_and_hidden(512, 64, 4)
     hidden[1, 5] = float("nan")

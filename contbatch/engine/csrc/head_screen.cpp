@@ -20,12 +20,14 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "screen_logits.h"
 #include "simd.h"
 
 constexpr float kMargin = 1e-6f;  // relative: the float32 roundings of the scaled product and of the bounds
@@ -140,80 +142,72 @@ struct Screen {
   float bound(int64_t j, float x) const { return a[j] * err + c[j] * norm + kMargin * std::fabs(x); }
 };
 
-// Scalar tail of both passes: the largest lower bound of tokens [from, vocab), and those whose upper bound reaches
-// `lower` (when `out` is given).
-static float tail_pass(const Screen& s, int64_t from, float lower, std::vector<int64_t>* out) {
-  float best = -INFINITY;
+// Pass 1's result over a row: the largest lower bound approx_j - bound_j, and the largest scaled product.
+struct Extremes {
+  float lower = -INFINITY, top = -INFINITY;
+};
+
+// Scalar tail of pass 1, over tokens [from, vocab).
+static void tail_extremes(const Screen& s, int64_t from, Extremes& e) {
   for (int64_t j = from; j < s.vocab; ++j) {
-    const float x = s.t * s.scaled[j], bound = s.bound(j, x);
-    best = std::max(best, x - bound);
-    if (out != nullptr && x + bound >= lower) out->push_back(j);
+    const float x = s.t * s.scaled[j];
+    e.lower = std::max(e.lower, x - s.bound(j, x));
+    e.top = std::max(e.top, s.scaled[j]);
   }
-  return best;
+}
+
+// Scalar tail of pass 2: appends the tokens of [from, vocab) whose upper bound reaches `floor`.
+static void tail_candidates(const Screen& s, int64_t from, float floor, std::vector<int64_t>& out) {
+  for (int64_t j = from; j < s.vocab; ++j) {
+    const float x = s.t * s.scaled[j];
+    if (x + s.bound(j, x) >= floor) out.push_back(j);
+  }
 }
 
 #ifdef CONTBATCH_AVX2
-// Pass 1 over whole vectors: the largest lower bound; `done`: the tokens covered.
+// Pass 1 over whole vectors; `done`: the tokens covered.
 template <typename S>
-static float vector_lower(const Screen& s, int64_t& done) {
+static Extremes vector_extremes(const Screen& s, int64_t& done) {
   using V = typename S::V;
   const V t = S::set1(s.t), err = S::set1(s.err), norm = S::set1(s.norm), margin = S::set1(kMargin);
-  V best = S::set1(-INFINITY);
+  V best = S::set1(-INFINITY), top = best;
   int64_t j = 0;
   for (; j + S::kWidth <= s.vocab; j += S::kWidth) {
-    const V x = S::mul(t, S::load(s.scaled + j));
+    const V scaled = S::load(s.scaled + j), x = S::mul(t, scaled);
     const V bound = S::fma(S::load(s.a + j), err, S::fma(S::load(s.c + j), norm, S::mul(margin, S::abs(x))));
     best = S::max(best, S::sub(x, bound));
+    top = S::max(top, scaled);
   }
   done = j;
-  return S::max_lane(best);
+  return {S::max_lane(best), S::max_lane(top)};
 }
 
-// Pass 2 over whole vectors: appends, in order, the tokens whose upper bound reaches `lower`.
+// Pass 2 over whole vectors: appends, in order, the tokens whose upper bound reaches `floor`.
 template <typename S>
-static void vector_candidates(const Screen& s, float lower, std::vector<int64_t>& out) {
+static void vector_candidates(const Screen& s, float floor, std::vector<int64_t>& out) {
   using V = typename S::V;
   const V t = S::set1(s.t), err = S::set1(s.err), norm = S::set1(s.norm), margin = S::set1(kMargin);
-  const V floor = S::set1(lower);
+  const V least = S::set1(floor);
   for (int64_t j = 0; j + S::kWidth <= s.vocab; j += S::kWidth) {
     const V x = S::mul(t, S::load(s.scaled + j));
     const V bound = S::fma(S::load(s.a + j), err, S::fma(S::load(s.c + j), norm, S::mul(margin, S::abs(x))));
-    for (uint32_t mask = S::ge_mask(S::add(x, bound), floor); mask != 0; mask &= mask - 1)
+    for (uint32_t mask = S::ge_mask(S::add(x, bound), least); mask != 0; mask &= mask - 1)
       out.push_back(j + __builtin_ctz(mask));
   }
 }
 
-// One float32 logit, W_j.h, in a fixed order (two chains of S's lanes, then a scalar tail); W float32 or bfloat16.
-template <typename S, typename W>
-static float vector_logit(const W* w, const float* h, int64_t k) {
-  typename S::V a0 = S::zero(), a1 = S::zero();
-  int64_t i = 0;
-  for (; i + 2 * S::kWidth <= k; i += 2 * S::kWidth) {
-    a0 = S::fma(S::load(w + i), S::load(h + i), a0);
-    a1 = S::fma(S::load(w + i + S::kWidth), S::load(h + i + S::kWidth), a1);
-  }
-  float sum = hsum(S::fold(S::add(a0, a1)));
-  for (; i < k; ++i) sum += static_cast<float>(w[i]) * h[i];
-  return sum;
+// The first token whose scaled product is `value`, the largest (-1 when none is).
+template <typename S>
+static int64_t vector_first_top(const Screen& s, float value) {
+  const typename S::V target = S::set1(value);
+  int64_t j = 0;
+  for (; j + S::kWidth <= s.vocab; j += S::kWidth)
+    if (const uint32_t mask = S::ge_mask(S::load(s.scaled + j), target)) return j + __builtin_ctz(mask);
+  for (; j < s.vocab; ++j)
+    if (s.scaled[j] >= value) return j;
+  return -1;
 }
 #endif
-
-template <typename W>
-static float logit(const W* w, const float* h, int64_t k) {
-#if defined(CONTBATCH_AVX512)
-  return vector_logit<Lanes16>(w, h, k);
-#elif defined(CONTBATCH_AVX2)
-  return vector_logit<Lanes8>(w, h, k);
-#else
-  float sum = 0.f;
-  for (int64_t i = 0; i < k; ++i) sum += static_cast<float>(w[i]) * h[i];
-  return sum;
-#endif
-}
-
-// A float32 logit as the head's output holds it: itself, or rounded to bfloat16 (to nearest even, as oneDNN's and
-// torch's conversions round).
-static inline float as_output(float x, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(x)) : x; }
 
 // The largest bfloat16 value below `x` rounded to bfloat16 (-inf stays -inf).
 static float bf16_below(float x) {
@@ -227,84 +221,87 @@ static float bf16_below(float x) {
   return below;
 }
 
-// The tokens of one row that the screen cannot rule out, in order; for a bfloat16 head, those whose upper bound
-// exceeds the bfloat16 value below the largest lower bound's rounding.
-static void candidates(const Screen& s, bool bf16, std::vector<int64_t>& out) {
+// The first token with the largest scaled product (-1 when none is: a row of NaN).
+static int64_t first_top(const Screen& s, float value) {
+#if defined(CONTBATCH_AVX512)
+  return vector_first_top<Lanes16>(s, value);
+#elif defined(CONTBATCH_AVX2)
+  return vector_first_top<Lanes8>(s, value);
+#else
+  for (int64_t j = 0; j < s.vocab; ++j)
+    if (s.scaled[j] >= value) return j;
+  return -1;
+#endif
+}
+
+// The tokens of one hidden row h that the screen cannot rule out, in order: those whose upper bound reaches the
+// largest lower bound and the float32 logit of the token with the largest approximation (a value some token reaches,
+// which rules out about nine in ten of the tokens the lower bound leaves); for a bfloat16 head, the bfloat16 value
+// below the larger one's rounding.
+template <typename W>
+static void candidates(const Screen& s, const float* h, const W* w, int64_t k, std::vector<int64_t>& out) {
   out.clear();
   int64_t done = 0;
-  float lower = -INFINITY;
+  Extremes e;
 #if defined(CONTBATCH_AVX512)
-  lower = vector_lower<Lanes16>(s, done);
+  e = vector_extremes<Lanes16>(s, done);
 #elif defined(CONTBATCH_AVX2)
-  lower = vector_lower<Lanes8>(s, done);
+  e = vector_extremes<Lanes8>(s, done);
 #endif
-  lower = std::max(lower, tail_pass(s, done, INFINITY, nullptr));
-  if (bf16) lower = bf16_below(lower);
+  tail_extremes(s, done, e);
+  float floor = e.lower;
+  if (const int64_t top = first_top(s, e.top); top >= 0) floor = std::max(floor, logit(w + top * k, h, k));
+  if (std::is_same_v<W, c10::BFloat16>) floor = bf16_below(floor);
 #if defined(CONTBATCH_AVX512)
-  vector_candidates<Lanes16>(s, lower, out);
+  vector_candidates<Lanes16>(s, floor, out);
 #elif defined(CONTBATCH_AVX2)
-  vector_candidates<Lanes8>(s, lower, out);
+  vector_candidates<Lanes8>(s, floor, out);
 #endif
-  tail_pass(s, done, lower, &out);
+  tail_candidates(s, done, floor, out);
 }
 
-// Narrows `found` with a computed logit: that of the candidate with the largest approximation, a float32 evaluation
-// that some token reaches, so (as the largest lower bound did) it rules out every token whose upper bound is below it
-// (for a bfloat16 head, below the bfloat16 value under its rounding). The bounds are far wider than the actual errors,
-// so this cuts the window between the two passes' thresholds about in half.
+// Each row's candidates, in token order; an empty list for a row whose hidden row is not finite. Rows are taken one at
+// a time by the next free thread: their candidates number from one to thousands.
 template <typename W>
-static void narrow(const Screen& s, const float* h, const W* w, int64_t k, bool bf16, std::vector<int64_t>& found) {
-  if (found.size() < 2) return;
-  int64_t top = found[0];
-  for (const int64_t j : found)
-    if (s.scaled[j] > s.scaled[top]) top = j;
-  const float computed = logit(w + top * k, h, k), lower = bf16 ? bf16_below(computed) : computed;
-  size_t kept = 0;
-  for (const int64_t j : found) {
-    const float x = s.t * s.scaled[j];
-    if (x + s.bound(j, x) >= lower) found[kept++] = j;
-  }
-  found.resize(kept);
-}
-
-// The greedy token of one hidden row h: the first candidate with the largest logit (float32, or for a bfloat16 head
-// rounded to bfloat16); -1 when h is not finite.
-template <typename W>
-static int64_t screen_row(const Screen& s, const float* h, const W* w, int64_t k, std::vector<int64_t>& found) {
-  constexpr bool bf16 = std::is_same_v<W, c10::BFloat16>;
-  if (!std::isfinite(s.t)) return -1;
-  candidates(s, bf16, found);
-  narrow(s, h, w, k, bf16, found);
-  int64_t best = -1;
-  float best_logit = -INFINITY;
-  for (size_t i = 0; i < found.size(); ++i) {
-    if (i + 1 < found.size()) {
-      const W* next = w + found[i + 1] * k;
-      for (int64_t d = 0; d < k; d += 64 / sizeof(W)) __builtin_prefetch(next + d, 0, 3);
-    }
-    const float value = as_output(logit(w + found[i] * k, h, k), bf16);
-    if (best < 0 || value > best_logit) {
-      best = found[i];
-      best_logit = value;
-    }
-  }
-  return best;
-}
-
-template <typename W>
-static void screen_rows(const at::Tensor& scaled, const at::Tensor& stats, const at::Tensor& a,
-                        const at::Tensor& c, const at::Tensor& hidden, const W* weight, int64_t* out) {
+static std::vector<std::vector<int64_t>> row_candidates(const at::Tensor& scaled, const at::Tensor& stats,
+                                                        const at::Tensor& a, const at::Tensor& c,
+                                                        const at::Tensor& hidden, const W* weight) {
   const int64_t rows = scaled.size(0), vocab = scaled.size(1), k = hidden.size(1);
   const float *scaled_rows = scaled.data_ptr<float>(), *st = stats.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> found;
-    for (int64_t b = begin; b < end; ++b) {
+  std::vector<std::vector<int64_t>> found(rows);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(rows, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t b = next++; b < rows; b = next++) {
       const float* row = st + b * 3;
       const Screen s{scaled_rows + b * vocab, a.data_ptr<float>(), c.data_ptr<float>(), row[0],
                      row[1] * (1.f + kMargin), row[2] * (1.f + kMargin), vocab};
-      out[b] = screen_row(s, hidden.data_ptr<float>() + b * k, weight, k, found);
+      if (std::isfinite(s.t)) candidates(s, hidden.data_ptr<float>() + b * k, weight, k, found[b]);
     }
   });
+  return found;
+}
+
+// Each row's greedy token: the first of its candidates with the largest logit (float32, or for a bfloat16 head
+// rounded to bfloat16); -1 for a row without candidates (its hidden row is not finite).
+template <typename W>
+static void screen_rows(const at::Tensor& scaled, const at::Tensor& stats, const at::Tensor& a,
+                        const at::Tensor& c, const at::Tensor& hidden, const W* weight, int64_t* out) {
+  const int64_t k = hidden.size(1);
+  const auto found = row_candidates(scaled, stats, a, c, hidden, weight);
+  const TokenGroups groups = group_by_token(found, scaled.size(1));
+  const std::vector<float> values = candidate_logits(groups, hidden.data_ptr<float>(), weight, k);
+  for (size_t b = 0; b < found.size(); ++b) {
+    int64_t best = -1;
+    float best_logit = -INFINITY;
+    for (size_t i = 0; i < found[b].size(); ++i) {
+      const float value = values[groups.offsets[b] + static_cast<int64_t>(i)];
+      if (best < 0 || value > best_logit) {
+        best = found[b][i];
+        best_logit = value;
+      }
+    }
+    out[b] = best;
+  }
 }
 
 // scaled [B, V] float32 = s_j (q_j.p_b); stats [B, 3] from `screen_quantize`; a, c [V] float32; hidden [B, K] float32
