@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from contbatch.engine.cpu_kernels import describe_build
+from contbatch.engine.cpu_kernels import describe_build, kernel_module
 from contbatch.engine.malloc_tuning import describe_malloc
 
 ISA_FLAGS = {
@@ -83,6 +83,13 @@ def describe_machine(cpu: CpuInfo | None = None) -> list[str]:
     lines.append(describe_build())
     lines.append(describe_malloc())
     return lines
+
+
+def load_kernels() -> None:
+    """Builds or loads contbatch's CPU kernels, as a bench starts: a build their sources or the paths of those made
+    necessary (about a minute on 2 cores) is then never inside a timed pass, as the peers' loads and compiles are
+    not."""
+    kernel_module()
 
 
 @functools.cache

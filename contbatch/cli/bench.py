@@ -105,12 +105,13 @@ def _bench(args: argparse.Namespace) -> int:
         ValueError: `--engines` names no engine or an unknown one.
     """
     from contbatch.bench.decoding import GREEDY, decoding_of
-    from contbatch.bench.machine import contbatch_version
+    from contbatch.bench.machine import contbatch_version, load_kernels
 
     contbatch_version()
     if decoding_of(args) != GREEDY and not args.serve and args.workload != "throughput":
         raise ValueError(f"--temperature, --top-p and --top-k apply to the throughput workload and --serve; "
                          f"--workload {args.workload} decodes as its own table says")
+    load_kernels()
     status = _run_bench(args)
     _note_machine(args.output)
     return status

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from contbatch.bench import machine
 from contbatch.bench.machine import CpuInfo, describe_machine
+from contbatch.cli import bench as bench_cli
 from contbatch.cli import main
 from contbatch.data.embedded import embedded_model_dir
 from contbatch.engine import cpu_features, cpu_kernels, malloc_tuning
@@ -134,3 +135,14 @@ def test_the_commit_named_is_the_one_read_when_the_bench_started(monkeypatch: py
         assert "(commit 1111111)" in describe_machine()[2], "read again after the start"
     finally:
         machine.contbatch_version.cache_clear()
+
+
+def test_the_bench_loads_the_kernels_before_any_workload_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel build (a minute when the sources or their paths changed) must not fall inside a timed pass: the
+    workload starts only after the kernels are loaded."""
+    calls: list[str] = []
+    monkeypatch.setattr(machine, "load_kernels", lambda: calls.append("kernels"))
+    monkeypatch.setattr(bench_cli, "_run_bench", lambda args: calls.append("workload") or 0)
+    monkeypatch.setattr(bench_cli, "_note_machine", lambda output: None)
+    assert main(["bench", "--engines", "contbatch"]) == 0
+    assert calls == ["kernels", "workload"]
