@@ -54,10 +54,11 @@ def test_a_rows_result_does_not_depend_on_the_batch() -> None:
         assert torch.equal(gemm(x[start:stop].contiguous(), panels, 50, None), whole[start:stop])  # type: ignore[misc]
 
 
-def _on_one_and_two_threads(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> tuple[torch.Tensor, ...]:
+def _on_threads(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                counts: tuple[int, ...] = (1, 2)) -> tuple[torch.Tensor, ...]:
     threads = torch.get_num_threads()
     try:
-        return tuple(_threaded_product(count, x, panels, out_features) for count in (1, 2))
+        return tuple(_threaded_product(count, x, panels, out_features) for count in counts)
     finally:
         torch.set_num_threads(threads)
 
@@ -67,16 +68,18 @@ def _threaded_product(count: int, x: torch.Tensor, panels: torch.Tensor, out_fea
     return panel_gemm()(x, panels, out_features, None)  # type: ignore[misc]
 
 
-def test_the_result_does_not_depend_on_the_thread_count() -> None:
-    """With AVX-512 a thread takes its float32 panels two at a time, and the odd one of its range alone: 18 panels on
-    2 threads leave panels 8 and 17 alone, on 1 thread none. Each output is the same FMA chain either way."""
+@pytest.mark.parametrize(("rows", "in_features"), [(40, 96), (130, 1536)])
+def test_the_result_does_not_depend_on_the_thread_count(rows: int, in_features: int) -> None:
+    """Threads take tasks (with AVX-512 two float32 panels, the 18th alone; 1,536 inputs make blocks of 60 rows, so
+    130 rows are three blocks) as they come free, in ranges that depend on the thread count: each output is the same
+    FMA chain whichever thread computes it."""
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(40, 96, generator=generator)
-    weight = torch.randn(18 * PANEL - 3, 96, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(18 * PANEL - 3, in_features, generator=generator)
     panels = pack_panels(weight)
-    one, two = _on_one_and_two_threads(x, panels, weight.shape[0])
-    assert torch.equal(one, two)
-    torch.testing.assert_close(one, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-4)
+    one, *others = _on_threads(x, panels, weight.shape[0], (1, 2, 3, 4))
+    assert all(torch.equal(one, other) for other in others)
+    torch.testing.assert_close(one, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-4 * in_features ** 0.5)
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -170,14 +173,13 @@ def test_a_bfloat16_rows_result_does_not_depend_on_the_batch(pairs: bool) -> Non
 
 @pytest.mark.skipif(not pair_panels(), reason="needs AVX512-BF16")
 def test_pair_tiles_do_not_depend_on_the_thread_count() -> None:
-    """A thread takes pair panels three at a time: 20 panels on 2 threads run as 3 + 3 + 3 + 1 each, on 1 thread as
-    6 x 3 + 2."""
+    """A task is three pair panels: 20 panels are six tasks of three and one of two, whichever threads take them."""
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(40, 96, generator=generator).to(torch.bfloat16)
     weight = torch.randn(20 * PANEL - 5, 96, generator=generator).to(torch.bfloat16)
     panels = pack_panels(weight, pairs=True)
-    one, two = _on_one_and_two_threads(x, panels, weight.shape[0])
-    assert torch.equal(one, two)
+    one, *others = _on_threads(x, panels, weight.shape[0], (1, 2, 3))
+    assert all(torch.equal(one, other) for other in others)
 
 
 @pytest.mark.skipif(not pair_panels(), reason="needs AVX512-BF16")

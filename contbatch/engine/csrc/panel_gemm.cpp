@@ -7,9 +7,12 @@
 // 128, the same at 512). The register tiles are in panel_tiles.h.
 //
 // The weight [N, K] is stored as panels [P, K, 16] (P = ceil(N / 16), the last one zero-padded): panel p holds
-// output features 16p .. 16p + 15, one 64-byte line per k. A task is one panel; the rows are taken in blocks that
-// stay in L2 (about 384 KiB of input a block), and each block in tiles of up to 6 rows whose 6 x 16 outputs live in
-// 12 AVX2 registers while k runs: per k, two loads of the panel line and 6 broadcasts feed 12 FMAs. Every output is
+// output features 16p .. 16p + 15, one 64-byte line per k. A task is one panel over a block of rows that stays in L2
+// (about 384 KiB of input a block), the block in tiles of up to 6 rows whose 6 x 16 outputs live in 12 AVX2 registers
+// while k runs: per k, two loads of the panel line and 6 broadcasts feed 12 FMAs. A block's rows are spread evenly
+// over its tiles (31 rows: 6 + 5 x 5, not 5 x 6 + 1, whose one-row tile has too few FMA chains to hide their
+// latency: 0.92x the time for 31 rows on a Zen 3). Threads take tasks as they come free (`GuidedTasks`): on a shared
+// host, a thread the host stalls no longer keeps the other waiting for its half. Every output is
 // one FMA chain over k in order, so a row's result does not depend on the other rows of the batch. For a few rows, k
 // runs in chunks (partial sums kept in the output between them, the same chain), each chunk through all the tiles
 // while it sits in L1. While a panel's tiles run, the next panel's lines are prefetched, a share before each tile
@@ -58,6 +61,7 @@ void set_panel_prefetch(int64_t level) {
 int64_t panel_prefetch() { return panel_prefetch_level.load(std::memory_order_relaxed); }
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include "guided_tasks.h"
 #include "panel_tiles.h"
 #include "simd.h"
 
@@ -116,19 +120,20 @@ void panel_tiles(const typename Kind::X* xs, const typename Kind::P* panel, int6
   using P = typename Kind::P;
   constexpr int64_t kLinesPerCacheLine = std::max<int64_t>(1, 64 / (Kind::kLine * static_cast<int64_t>(sizeof(P))));
   const int64_t chunks = std::max<int64_t>(1, (steps_k + chunk - 1) / chunk);
-  const int64_t steps = (m1 - m0 + Kind::kRows - 1) / Kind::kRows * chunks;
+  const int64_t tiles = (m1 - m0 + Kind::kRows - 1) / Kind::kRows, steps = tiles * chunks;
   const int64_t lines_per_step = (next_lines + steps - 1) / steps;
   int64_t step = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t k0 = c * chunk, kc = std::min(chunk, steps_k - k0);
-    for (int64_t m = m0; m < m1; m += Kind::kRows, ++step) {
+    for (int64_t t = 0, m = m0; t < tiles; ++t, ++step) {
+      const int64_t rows = (m1 - m0) / tiles + (t < (m1 - m0) % tiles);
       const int64_t stop = std::min(next_lines, (step + 1) * lines_per_step);
       for (int64_t line = step * lines_per_step; line < stop; ++line) {
         if (line % kLinesPerCacheLine == 0) __builtin_prefetch(next + line * Kind::kLine, 0, Loc);
       }
-      Kind::tile(std::min(Kind::kRows, m1 - m), width)(xs + m * steps_k + k0, steps_k, kc, panel + k0 * Kind::kLine,
-                                                         steps_k * Kind::kLine, y + (m - m0) * ldy, ldy, ncols, bias,
-                                                         c > 0, c + 1 == chunks);
+      Kind::tile(rows, width)(xs + m * steps_k + k0, steps_k, kc, panel + k0 * Kind::kLine, steps_k * Kind::kLine,
+                              y + (m - m0) * ldy, ldy, ncols, bias, c > 0, c + 1 == chunks);
+      m += rows;
     }
   }
 }
@@ -145,8 +150,10 @@ void store_bf16_rows(const float* src, int64_t lds, c10::BFloat16* dst, int64_t 
 
 // y [M, N] = xs [M, steps_k] (k steps of the kind's X) @ W.T + bias, W in panels `ps` [P, steps_k, kLine], into `ys`
 // (float32), or with `ys16` into bfloat16 rows there: each task's outputs are then computed into a float32 scratch of
-// the thread's, which stays in cache, and rounded once (no float32 [M, N] is written). A thread takes its panels
-// `Kind::kWidth` at a time (fewer where its range ends).
+// the thread's, which stays in cache, and rounded once (no float32 [M, N] is written). A task is `Kind::kWidth`
+// panels (fewer at the end) over one block of rows, the blocks in order; threads take tasks as they come free, each
+// claiming its next task before it computes the current one so that it can prefetch the next one's lines. Which
+// thread computes a task does not change its outputs.
 template <typename Kind, int Loc>
 void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const float* bias_data, float* ys,
                    c10::BFloat16* ys16, int64_t M, int64_t steps_k, int64_t N, int64_t P_count) {
@@ -154,21 +161,28 @@ void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const
   const int64_t block = std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(steps_k, 1) / kRows * kRows);
   const int64_t chunk = std::max<int64_t>(1, M <= Kind::kChunkRows ? std::min(kChunk, steps_k) : steps_k);
   const size_t scratch_floats = ys16 ? static_cast<size_t>(std::min(M, block) * kTaskCols) : 0;
-  at::parallel_for(0, P_count, 1, [&](int64_t begin, int64_t end) {
+  const int64_t groups = (P_count + Kind::kWidth - 1) / Kind::kWidth, tasks = (M + block - 1) / block * groups;
+  const auto first_panel = [&](int64_t task) { return task % groups * Kind::kWidth; };
+  const auto panels_of = [&](int64_t task) { return std::min(Kind::kWidth, P_count - first_panel(task)); };
+  GuidedTasks claims(tasks, at::get_num_threads());
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t m1 = std::min(M, m0 + block);
-      for (int64_t p = begin; p < end;) {
-        const int64_t width = std::min(Kind::kWidth, end - p), following = std::min(Kind::kWidth, end - p - width);
-        const int64_t col = p * kPanel, ncols = std::min(width * kPanel, N - col);
-        const typename Kind::P* panel = ps + p * steps_k * Kind::kLine;
-        panel_tiles<Kind, Loc>(xs, panel, width, bias_data ? bias_data + col : nullptr,
-                               ys16 ? scratch.data() : ys + m0 * N + col, ys16 ? kTaskCols : N, ncols, m0, m1,
-                               steps_k, chunk, panel + width * steps_k * Kind::kLine, following * steps_k);
+    for (auto range = claims.claim(); range.first < range.second;) {
+      auto following_range = range;
+      for (int64_t task = range.first; task < range.second; ++task) {
+        if (task + 1 == range.second) following_range = claims.claim();
+        const int64_t ahead = task + 1 < range.second ? task + 1 : following_range.first;
+        const int64_t m0 = task / groups * block, m1 = std::min(M, m0 + block);
+        const int64_t p = first_panel(task), width = panels_of(task), col = p * kPanel;
+        const int64_t ncols = std::min(width * kPanel, N - col), following = ahead < tasks ? panels_of(ahead) : 0;
+        const typename Kind::P* following_panel = ps + (ahead < tasks ? first_panel(ahead) : 0) * steps_k * Kind::kLine;
+        panel_tiles<Kind, Loc>(xs, ps + p * steps_k * Kind::kLine, width, bias_data ? bias_data + col : nullptr,
+                               ys16 ? scratch.data() : ys + m0 * N + col, ys16 ? kTaskCols : N, ncols, m0, m1, steps_k,
+                               chunk, following_panel, following * steps_k);
         if (ys16) store_bf16_rows(scratch.data(), kTaskCols, ys16 + m0 * N + col, N, m1 - m0, ncols);
-        p += width;
       }
+      range = following_range;
     }
   });
 }

@@ -13,6 +13,8 @@
 #include "tensor.h"
 #include <ATen/Parallel.h>
 
+#include "guided_tasks.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -101,13 +103,16 @@ void screen_product(const at::Tensor& codes, const at::Tensor& panels, const at:
   const float* scale = scale16.data_ptr<float>();
   float* ys = out.data_ptr<float>();
   const int64_t ldu = quads * kQuad;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t ncols = std::min(kCols, V - p * kCols);
-      for (int64_t r = 0; r < R; r += kRows) {
-        kScreenTiles[std::min<int64_t>(kRows, R - r)](us + r * ldu, ldu, quads, ps + p * quads * kLineBytes,
-                                                      sum + p * kCols, scale + p * kCols, static_cast<int32_t>(z),
-                                                      ys + r * V + p * kCols, V, ncols);
+  GuidedTasks claims(P, at::get_num_threads());
+  at::parallel_for(0, std::min<int64_t>(P, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (auto range = claims.claim(); range.first < range.second; range = claims.claim()) {
+      for (int64_t p = range.first; p < range.second; ++p) {
+        const int64_t ncols = std::min(kCols, V - p * kCols);
+        for (int64_t r = 0; r < R; r += kRows) {
+          kScreenTiles[std::min<int64_t>(kRows, R - r)](us + r * ldu, ldu, quads, ps + p * quads * kLineBytes,
+                                                        sum + p * kCols, scale + p * kCols, static_cast<int32_t>(z),
+                                                        ys + r * V + p * kCols, V, ncols);
+        }
       }
     }
   });
