@@ -151,9 +151,9 @@ void store_bf16_rows(const float* src, int64_t lds, c10::BFloat16* dst, int64_t 
 // y [M, N] = xs [M, steps_k] (k steps of the kind's X) @ W.T + bias, W in panels `ps` [P, steps_k, kLine], into `ys`
 // (float32), or with `ys16` into bfloat16 rows there: each task's outputs are then computed into a float32 scratch of
 // the thread's, which stays in cache, and rounded once (no float32 [M, N] is written). A task is `Kind::kWidth`
-// panels (fewer at the end) over one block of rows, the blocks in order; threads take tasks as they come free, each
-// claiming its next task before it computes the current one so that it can prefetch the next one's lines. Which
-// thread computes a task does not change its outputs.
+// panels (fewer at the end) over one block of rows, the blocks in order; threads take ranges of tasks as they come
+// free (`GuidedTasks`), each claiming its next range as it starts the last task of the current one, so that it can
+// prefetch the next task's lines. Which thread computes a task does not change its outputs.
 template <typename Kind, int Loc>
 void panel_product(const typename Kind::X* xs, const typename Kind::P* ps, const float* bias_data, float* ys,
                    c10::BFloat16* ys16, int64_t M, int64_t steps_k, int64_t N, int64_t P_count) {
